@@ -1,0 +1,92 @@
+//! The one error type of the public API and the C ABI.
+//!
+//! Every failure is a value: nothing in vrampool panics across its API. Variants carry the
+//! figures a user needs to act (an out-of-memory error says what was asked, what is mapped,
+//! what is live, cached, retiring and the largest free block).
+
+use std::fmt;
+
+/// Why an operation failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Error {
+    /// Every step of the out-of-memory ladder was taken and the request still did not fit.
+    OutOfMemory {
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes mapped (physical memory held by the pool).
+        reserved: u64,
+        /// Bytes in live blocks (rounded sizes).
+        allocated: u64,
+        /// Bytes held in caches (blocks free for reuse on their stream).
+        cached: u64,
+        /// Bytes freed on a stream whose work has not been observed complete.
+        retiring: u64,
+        /// The largest block the arena could hand out without mapping.
+        largest_free: u64,
+        /// The pool's mapping limit.
+        max_reserved: u64,
+    },
+    /// A request that can never be served, whatever is freed: it exceeds the pool's limit.
+    TooLarge {
+        /// Bytes asked for.
+        requested: u64,
+        /// The most the pool can ever serve in one block.
+        limit: u64,
+    },
+    /// An argument that makes no sense (a stream of another device, an unaligned range, a
+    /// pointer the pool does not own).
+    InvalidArgument(String),
+    /// The call is not allowed where it was made (a device call from inside a host function
+    /// running on a stream, as CUDA forbids).
+    NotPermitted(&'static str),
+    /// The stream is being captured into a CUDA graph and the operation cannot be recorded.
+    StreamCapturing,
+    /// The stream was destroyed.
+    StreamDestroyed,
+    /// No usable device: no driver, no GPU, or the driver refused to start.
+    NoDevice(String),
+    /// A device (driver) call failed.
+    Device {
+        /// The driver call that failed.
+        call: &'static str,
+        /// The driver's error code (CUresult), or -1 for the simulator.
+        code: i32,
+        /// The driver's words for it.
+        message: String,
+    },
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const MIB: f64 = (1u64 << 20) as f64;
+        match self {
+            Error::OutOfMemory { requested, reserved, allocated, cached, retiring, largest_free, max_reserved } => write!(
+                f,
+                "out of device memory: asked {requested} B ({:.1} MiB); reserved {:.1} MiB of at most {:.1} MiB, \
+                 allocated {:.1} MiB, cached {:.1} MiB, retiring {:.1} MiB, largest free block {:.1} MiB",
+                *requested as f64 / MIB,
+                *reserved as f64 / MIB,
+                *max_reserved as f64 / MIB,
+                *allocated as f64 / MIB,
+                *cached as f64 / MIB,
+                *retiring as f64 / MIB,
+                *largest_free as f64 / MIB,
+            ),
+            Error::TooLarge { requested, limit } => {
+                write!(f, "request of {requested} B can never be served: the pool's limit is {limit} B")
+            }
+            Error::InvalidArgument(why) => write!(f, "invalid argument: {why}"),
+            Error::NotPermitted(what) => write!(f, "not permitted: {what}"),
+            Error::StreamCapturing => write!(f, "the stream is being captured into a graph"),
+            Error::StreamDestroyed => write!(f, "the stream was destroyed"),
+            Error::NoDevice(why) => write!(f, "no usable device: {why}"),
+            Error::Device { call, code, message } => write!(f, "{call} failed ({code}): {message}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+/// Shorthand for vrampool's results.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
