@@ -1,0 +1,866 @@
+//! `SimDevice`: a simulated GPU in host memory, exactly as strict as CUDA.
+//!
+//! It plays the part of the hardware and the driver, so it uses `std` locks and threads on
+//! purpose (never the `sync` facade: loom models must not see it).
+//!
+//! - **Memory** is one host address range reserved with `mmap(PROT_NONE)` and committed page
+//!   by page (`mprotect` to read-write on map; `madvise(DONTNEED)` and back to `PROT_NONE` on
+//!   unmap), so untouched memory costs nothing and a pool can manage tens of GiB on a laptop.
+//!   Device addresses are host addresses: a host function may read and write them as a kernel
+//!   would, and touching an unmapped page faults, as it does on a GPU. Physical capacity is
+//!   enforced on map.
+//! - **Streams** are FIFO queues, each run by its own worker thread. Each operation gets a
+//!   sequence number; the stream's `completed` counter says how far the worker has got.
+//! - **Events** follow CUDA's rules: never recorded ⇒ complete; recording again replaces the
+//!   earlier record (the event then names the new position); complete only once the stream's
+//!   worker has passed the recorded position. `stream_wait_event` enqueues a wait on the
+//!   event's record as of the call.
+//! - **Host functions** run on the worker in stream order; every device call made from inside
+//!   one fails with [`Error::NotPermitted`], as CUDA's do.
+//! - **Raw handles are reused** after a stream is destroyed (the lowest free value first), as
+//!   the driver reuses `CUstream` values, so tests can show that stream ids do not follow them.
+//! - **Capture**: [`SimDevice::begin_capture`] puts a stream in capture mode; while it is,
+//!   anything that would need the stream's work to have run (event record, query and
+//!   synchronize, host functions, copies) fails with [`Error::StreamCapturing`] — stricter
+//!   than CUDA, never more forgiving.
+
+use std::cell::Cell;
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+
+use super::{in_host_fn_error, Device, DeviceKind, Event, HostFn, MemInfo, Stream};
+use crate::error::{Error, Result};
+
+thread_local! {
+    /// Set while a stream worker runs a host function: device calls from there must fail.
+    static IN_HOST_FN: Cell<bool> = const { Cell::new(false) };
+}
+
+fn check_not_in_host_fn() -> Result<()> {
+    if IN_HOST_FN.with(Cell::get) {
+        Err(in_host_fn_error())
+    } else {
+        Ok(())
+    }
+}
+
+fn sim_err(call: &'static str, message: impl Into<String>) -> Error {
+    Error::Device { call, code: -1, message: message.into() }
+}
+
+/// Locks in the simulator are never held across user code, so a poisoned one only means a
+/// panic elsewhere in a test: keep going with the data.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A simulated GPU. Cheap to clone: clones are the same device.
+#[derive(Clone)]
+pub struct SimDevice {
+    inner: Arc<SimInner>,
+}
+
+struct SimInner {
+    capacity: u64,
+    granularity: usize,
+    committed: AtomicU64,
+    mem: Mutex<MemState>,
+    raws: Mutex<RawTable>,
+    /// Host functions that panicked (the worker carries on, but tests want to know).
+    host_fn_panics: AtomicU64,
+}
+
+#[derive(Default)]
+struct MemState {
+    /// Reserved ranges: base → length.
+    reservations: HashMap<u64, u64>,
+    /// Base addresses of mapped pages.
+    mapped: BTreeSet<u64>,
+    /// Sticky fault: once a stream touched memory it must not, every call fails (a CUDA
+    /// context is dead after an illegal address).
+    fault: Option<String>,
+}
+
+#[derive(Default)]
+struct RawTable {
+    next: u64,
+    free: BTreeSet<u64>,
+    live: HashMap<u64, Weak<StreamShared>>,
+}
+
+enum Op {
+    Host(HostFn),
+    Marker,
+    /// Wait until `stream` has completed `seq`.
+    Wait(Arc<StreamShared>, u64),
+}
+
+struct StreamShared {
+    state: Mutex<QueueState>,
+    /// Signalled when the worker completes an operation or when work is enqueued.
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct QueueState {
+    ops: VecDeque<(u64, Op)>,
+    last_seq: u64,
+    completed: u64,
+    closing: bool,
+    capturing: bool,
+}
+
+/// What a [`Stream`] of this device holds: the queue, and whether dropping the last handle
+/// destroys it.
+struct SimStreamHandle {
+    shared: Arc<StreamShared>,
+    raw: u64,
+    owned: bool,
+    device: Weak<SimInner>,
+}
+
+impl Drop for SimStreamHandle {
+    fn drop(&mut self) {
+        if self.owned {
+            close_stream(&self.shared);
+            if let Some(dev) = self.device.upgrade() {
+                dev.free_raw(self.raw, &self.shared);
+            }
+        }
+    }
+}
+
+fn close_stream(shared: &StreamShared) {
+    let mut st = lock(&shared.state);
+    st.closing = true;
+    shared.cv.notify_all();
+}
+
+/// What an [`Event`] of this device holds: the stream and position of its latest record.
+#[derive(Default)]
+struct SimEvent {
+    record: Mutex<Option<(Arc<StreamShared>, u64)>>,
+}
+
+impl StreamShared {
+    fn enqueue(&self, op: Op) -> Result<u64> {
+        let mut st = lock(&self.state);
+        if st.closing {
+            return Err(Error::StreamDestroyed);
+        }
+        st.last_seq += 1;
+        let seq = st.last_seq;
+        st.ops.push_back((seq, op));
+        self.cv.notify_all();
+        Ok(seq)
+    }
+
+    fn completed(&self) -> u64 {
+        lock(&self.state).completed
+    }
+
+    fn wait_for(&self, seq: u64) {
+        let mut st = lock(&self.state);
+        while st.completed < seq {
+            st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    fn run(self: Arc<Self>, device: Weak<SimInner>) {
+        loop {
+            let (seq, op) = {
+                let mut st = lock(&self.state);
+                loop {
+                    if let Some(next) = st.ops.pop_front() {
+                        break next;
+                    }
+                    if st.closing {
+                        return;
+                    }
+                    st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+                }
+            };
+            match op {
+                Op::Host(f) => {
+                    IN_HOST_FN.with(|c| c.set(true));
+                    let outcome = catch_unwind(AssertUnwindSafe(f));
+                    IN_HOST_FN.with(|c| c.set(false));
+                    if outcome.is_err() {
+                        if let Some(dev) = device.upgrade() {
+                            dev.host_fn_panics.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+                Op::Marker => {}
+                Op::Wait(other, target) => other.wait_for(target),
+            }
+            let mut st = lock(&self.state);
+            st.completed = seq;
+            self.cv.notify_all();
+        }
+    }
+}
+
+impl SimInner {
+    fn stream<'a>(&self, s: &'a Stream) -> Result<&'a SimStreamHandle> {
+        let h = s
+            .backend::<SimStreamHandle>()
+            .ok_or_else(|| Error::InvalidArgument("stream does not belong to a simulated device".into()))?;
+        if !std::ptr::eq(h.device.as_ptr(), self) {
+            return Err(Error::InvalidArgument("stream belongs to another simulated device".into()));
+        }
+        if s.is_destroyed() {
+            return Err(Error::StreamDestroyed);
+        }
+        Ok(h)
+    }
+
+    fn check_fault(&self) -> Result<()> {
+        match &lock(&self.mem).fault {
+            Some(why) => Err(sim_err("simulated device", format!("the context is dead: {why}"))),
+            None => Ok(()),
+        }
+    }
+
+    fn free_raw(&self, raw: u64, shared: &Arc<StreamShared>) {
+        let mut t = lock(&self.raws);
+        let same = t.live.get(&raw).is_some_and(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(shared)));
+        if same {
+            t.live.remove(&raw);
+            t.free.insert(raw);
+        }
+    }
+
+    /// Whether every byte of `[addr, addr + len)` lies on mapped pages.
+    fn is_mapped(&self, addr: u64, len: usize) -> bool {
+        if len == 0 {
+            return true;
+        }
+        let g = self.granularity as u64;
+        let Some(end) = addr.checked_add(len as u64) else { return false };
+        let mem = lock(&self.mem);
+        let mut page = addr / g * g;
+        while page < end {
+            if !mem.mapped.contains(&page) {
+                return false;
+            }
+            page += g;
+        }
+        true
+    }
+
+    /// Run `f` on the stream's worker once earlier work is done, checking at run time that
+    /// `[addr, addr + len)` is still mapped (else the context faults, as a GPU's would).
+    fn enqueue_mem_op(
+        self: &Arc<Self>,
+        h: &SimStreamHandle,
+        addr: u64,
+        len: usize,
+        f: impl FnOnce() + Send + 'static,
+    ) -> Result<u64> {
+        if !self.is_mapped(addr, len) {
+            return Err(sim_err("memory operation", format!("[{addr:#x}, +{len}) is not mapped device memory")));
+        }
+        let dev = Arc::downgrade(self);
+        h.shared.enqueue(Op::Host(Box::new(move || {
+            let Some(dev) = dev.upgrade() else { return };
+            if dev.is_mapped(addr, len) {
+                f();
+            } else {
+                lock(&dev.mem).fault =
+                    Some(format!("illegal address: [{addr:#x}, +{len}) was unmapped before the stream used it"));
+            }
+        })))
+    }
+}
+
+impl SimDevice {
+    /// A simulated device with `capacity` bytes of physical memory and CUDA's 2 MiB mapping
+    /// granularity.
+    pub fn new(capacity: u64) -> SimDevice {
+        SimDevice::with_granularity(capacity, 2 << 20)
+    }
+
+    /// A simulated device with another mapping granularity (a power of two, at least the
+    /// host's page size; other values are rounded up to one).
+    pub fn with_granularity(capacity: u64, granularity: usize) -> SimDevice {
+        let host_page = host_page_size();
+        let g = granularity.max(host_page).next_power_of_two();
+        SimDevice {
+            inner: Arc::new(SimInner {
+                capacity,
+                granularity: g,
+                committed: AtomicU64::new(0),
+                mem: Mutex::new(MemState::default()),
+                raws: Mutex::new(RawTable::default()),
+                host_fn_panics: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// Create a stream (the same as [`Device::create_stream`]).
+    pub fn new_stream(&self) -> Result<Stream> {
+        check_not_in_host_fn()?;
+        let shared = Arc::new(StreamShared { state: Mutex::new(QueueState::default()), cv: Condvar::new() });
+        let raw = {
+            let mut t = lock(&self.inner.raws);
+            let raw = match t.free.pop_first() {
+                Some(r) => r,
+                None => {
+                    t.next += 1;
+                    t.next
+                }
+            };
+            t.live.insert(raw, Arc::downgrade(&shared));
+            raw
+        };
+        let worker = Arc::clone(&shared);
+        let dev = Arc::downgrade(&self.inner);
+        let spawned = std::thread::Builder::new().name(format!("simstream-{raw}")).spawn(move || worker.run(dev));
+        if let Err(e) = spawned {
+            self.inner.free_raw(raw, &shared);
+            return Err(sim_err("cuStreamCreate", format!("cannot start the stream's worker: {e}")));
+        }
+        let handle = SimStreamHandle { shared, raw, owned: true, device: Arc::downgrade(&self.inner) };
+        Ok(Stream::from_backend(raw, Box::new(handle)))
+    }
+
+    /// Run `f` on the stream once all earlier work on it is done (the simulator's
+    /// `cuLaunchHostFunc`). `f` must not call the device: such calls fail.
+    pub fn enqueue<F: FnOnce() + Send + 'static>(&self, stream: &Stream, f: F) -> Result<()> {
+        self.launch_host_fn(stream, Box::new(f))
+    }
+
+    /// Block until all work on `stream` is done.
+    pub fn synchronize(&self, stream: &Stream) -> Result<()> {
+        Device::synchronize(self, stream)
+    }
+
+    /// Start capturing `stream` into a graph: until [`SimDevice::end_capture`], work that
+    /// would need the stream to run fails with [`Error::StreamCapturing`].
+    pub fn begin_capture(&self, stream: &Stream) -> Result<()> {
+        check_not_in_host_fn()?;
+        let h = self.inner.stream(stream)?;
+        lock(&h.shared.state).capturing = true;
+        Ok(())
+    }
+
+    /// End a capture started by [`SimDevice::begin_capture`].
+    pub fn end_capture(&self, stream: &Stream) -> Result<()> {
+        check_not_in_host_fn()?;
+        let h = self.inner.stream(stream)?;
+        lock(&h.shared.state).capturing = false;
+        Ok(())
+    }
+
+    /// Physical bytes mapped now.
+    pub fn committed_bytes(&self) -> u64 {
+        self.inner.committed.load(Ordering::Acquire)
+    }
+
+    /// How many host functions panicked (the stream carried on after each).
+    pub fn host_fn_panics(&self) -> u64 {
+        self.inner.host_fn_panics.load(Ordering::Acquire)
+    }
+
+    fn capturing(h: &SimStreamHandle) -> bool {
+        lock(&h.shared.state).capturing
+    }
+
+    /// Checks shared by every stream operation that needs the stream to run.
+    fn running_stream<'a>(&self, stream: &'a Stream) -> Result<&'a SimStreamHandle> {
+        check_not_in_host_fn()?;
+        self.inner.check_fault()?;
+        let h = self.inner.stream(stream)?;
+        if Self::capturing(h) {
+            return Err(Error::StreamCapturing);
+        }
+        Ok(h)
+    }
+}
+
+impl std::fmt::Debug for SimDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SimDevice")
+            .field("capacity", &self.inner.capacity)
+            .field("granularity", &self.inner.granularity)
+            .field("committed", &self.committed_bytes())
+            .finish()
+    }
+}
+
+fn host_page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as usize
+    } else {
+        4096
+    }
+}
+
+impl Device for SimDevice {
+    fn kind(&self) -> DeviceKind {
+        DeviceKind::Simulated
+    }
+
+    fn name(&self) -> String {
+        format!("simulated device, {:.1} GiB", self.inner.capacity as f64 / (1u64 << 30) as f64)
+    }
+
+    fn total_memory(&self) -> u64 {
+        self.inner.capacity
+    }
+
+    fn mem_info(&self) -> Result<MemInfo> {
+        check_not_in_host_fn()?;
+        let used = self.committed_bytes();
+        Ok(MemInfo { free: self.inner.capacity.saturating_sub(used), total: self.inner.capacity })
+    }
+
+    fn create_stream(&self) -> Result<Stream> {
+        self.new_stream()
+    }
+
+    unsafe fn wrap_stream(&self, raw: u64) -> Result<Stream> {
+        check_not_in_host_fn()?;
+        let shared = lock(&self.inner.raws).live.get(&raw).and_then(Weak::upgrade);
+        let shared = shared.ok_or_else(|| Error::InvalidArgument(format!("no live simulated stream {raw}")))?;
+        let handle = SimStreamHandle { shared, raw, owned: false, device: Arc::downgrade(&self.inner) };
+        Ok(Stream::from_backend(raw, Box::new(handle)))
+    }
+
+    fn destroy_stream(&self, stream: &Stream) -> Result<()> {
+        check_not_in_host_fn()?;
+        let h = self.inner.stream(stream)?;
+        if stream.mark_destroyed() && h.owned {
+            // As cuStreamDestroy: returns at once; work already queued still runs.
+            close_stream(&h.shared);
+            self.inner.free_raw(h.raw, &h.shared);
+        }
+        Ok(())
+    }
+
+    fn synchronize(&self, stream: &Stream) -> Result<()> {
+        let h = self.running_stream(stream)?;
+        let seq = lock(&h.shared.state).last_seq;
+        h.shared.wait_for(seq);
+        self.inner.check_fault()
+    }
+
+    fn is_capturing(&self, stream: &Stream) -> Result<bool> {
+        check_not_in_host_fn()?;
+        Ok(Self::capturing(self.inner.stream(stream)?))
+    }
+
+    fn create_event(&self) -> Result<Event> {
+        check_not_in_host_fn()?;
+        Ok(Event::from_backend(Box::new(SimEvent::default())))
+    }
+
+    fn record_event(&self, event: &Event, stream: &Stream) -> Result<()> {
+        let h = self.running_stream(stream)?;
+        let ev = sim_event(event)?;
+        let seq = h.shared.enqueue(Op::Marker)?;
+        *lock(&ev.record) = Some((Arc::clone(&h.shared), seq));
+        Ok(())
+    }
+
+    fn query_event(&self, event: &Event) -> Result<bool> {
+        check_not_in_host_fn()?;
+        self.inner.check_fault()?;
+        let rec = lock(&sim_event(event)?.record).clone();
+        Ok(match rec {
+            None => true,
+            Some((stream, seq)) => stream.completed() >= seq,
+        })
+    }
+
+    fn synchronize_event(&self, event: &Event) -> Result<()> {
+        check_not_in_host_fn()?;
+        self.inner.check_fault()?;
+        let rec = lock(&sim_event(event)?.record).clone();
+        if let Some((stream, seq)) = rec {
+            stream.wait_for(seq);
+        }
+        self.inner.check_fault()
+    }
+
+    fn stream_wait_event(&self, stream: &Stream, event: &Event) -> Result<()> {
+        let h = self.running_stream(stream)?;
+        let rec = lock(&sim_event(event)?.record).clone();
+        if let Some((other, seq)) = rec {
+            h.shared.enqueue(Op::Wait(other, seq))?;
+        }
+        Ok(())
+    }
+
+    fn launch_host_fn(&self, stream: &Stream, f: HostFn) -> Result<()> {
+        let h = self.running_stream(stream)?;
+        h.shared.enqueue(Op::Host(f)).map(|_| ())
+    }
+
+    fn copy_to_device(&self, dst: u64, src: &[u8], stream: &Stream) -> Result<()> {
+        let h = self.running_stream(stream)?;
+        let data = src.to_vec();
+        let seq = self.inner.enqueue_mem_op(h, dst, data.len(), move || {
+            // SAFETY: the worker checked just now that the destination lies on mapped pages
+            // of this device's reservation, which are readable and writable host memory.
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst as *mut u8, data.len()) }
+        })?;
+        h.shared.wait_for(seq);
+        self.inner.check_fault()
+    }
+
+    fn copy_from_device(&self, dst: &mut [u8], src: u64, stream: &Stream) -> Result<()> {
+        let h = self.running_stream(stream)?;
+        let len = dst.len();
+        let out = Arc::new(Mutex::new(vec![0u8; len]));
+        let sink = Arc::clone(&out);
+        let seq = self.inner.enqueue_mem_op(h, src, len, move || {
+            let mut buf = lock(&sink);
+            // SAFETY: the worker checked just now that the source lies on mapped pages of this
+            // device's reservation, which are readable host memory.
+            unsafe { std::ptr::copy_nonoverlapping(src as *const u8, buf.as_mut_ptr(), len) }
+        })?;
+        h.shared.wait_for(seq);
+        self.inner.check_fault()?;
+        dst.copy_from_slice(&lock(&out));
+        Ok(())
+    }
+
+    fn memset(&self, dst: u64, value: u8, len: usize, stream: &Stream) -> Result<()> {
+        let h = self.running_stream(stream)?;
+        self.inner.enqueue_mem_op(h, dst, len, move || {
+            // SAFETY: the worker checked just now that the range lies on mapped pages of this
+            // device's reservation, which are writable host memory.
+            unsafe { std::ptr::write_bytes(dst as *mut u8, value, len) }
+        })?;
+        Ok(())
+    }
+
+    fn granularity(&self) -> usize {
+        self.inner.granularity
+    }
+
+    fn reserve(&self, bytes: u64) -> Result<u64> {
+        check_not_in_host_fn()?;
+        let g = self.inner.granularity as u64;
+        if bytes == 0 || bytes % g != 0 {
+            return Err(Error::InvalidArgument(format!("reserve size {bytes} is not a positive multiple of {g}")));
+        }
+        // Over-reserve by one granule so the base can be aligned, then give the slack back.
+        let total = usize::try_from(bytes + g).map_err(|_| Error::InvalidArgument("reserve size too large".into()))?;
+        // SAFETY: an anonymous PROT_NONE mapping at an address of the kernel's choosing
+        // touches no existing memory.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                total,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(sim_err("cuMemAddressReserve", std::io::Error::last_os_error().to_string()));
+        }
+        let start = p as u64;
+        let base = start.div_ceil(g) * g;
+        let head = (base - start) as usize;
+        let tail = total - head - bytes as usize;
+        // SAFETY: both pieces lie inside the mapping just made and outside [base, base+bytes).
+        unsafe {
+            if head > 0 {
+                libc::munmap(p, head);
+            }
+            if tail > 0 {
+                libc::munmap((base + bytes) as *mut libc::c_void, tail);
+            }
+        }
+        lock(&self.inner.mem).reservations.insert(base, bytes);
+        Ok(base)
+    }
+
+    unsafe fn release(&self, base: u64, bytes: u64) -> Result<()> {
+        check_not_in_host_fn()?;
+        let mut mem = lock(&self.inner.mem);
+        if mem.reservations.get(&base) != Some(&bytes) {
+            return Err(Error::InvalidArgument(format!("[{base:#x}, +{bytes}) is not a reservation")));
+        }
+        if mem.mapped.range(base..base + bytes).next().is_some() {
+            return Err(sim_err("cuMemAddressFree", "pages are still mapped in the range"));
+        }
+        mem.reservations.remove(&base);
+        // SAFETY: the range is exactly one reservation made by `reserve`, with nothing mapped;
+        // the caller guarantees nothing still uses it.
+        unsafe { libc::munmap(base as *mut libc::c_void, bytes as usize) };
+        Ok(())
+    }
+
+    fn map(&self, addr: u64, bytes: usize) -> Result<()> {
+        check_not_in_host_fn()?;
+        let g = self.inner.granularity as u64;
+        let len = bytes as u64;
+        if bytes == 0 || addr % g != 0 || len % g != 0 {
+            return Err(Error::InvalidArgument(format!("map [{addr:#x}, +{bytes}) is not granularity-aligned")));
+        }
+        let mut mem = lock(&self.inner.mem);
+        let inside = mem.reservations.iter().any(|(&b, &l)| addr >= b && addr.saturating_add(len) <= b + l);
+        if !inside {
+            return Err(Error::InvalidArgument(format!("map [{addr:#x}, +{bytes}) is outside every reservation")));
+        }
+        if mem.mapped.range(addr..addr + len).next().is_some() {
+            return Err(sim_err("cuMemMap", "part of the range is already mapped"));
+        }
+        let used = self.inner.committed.load(Ordering::Acquire);
+        if used + len > self.inner.capacity {
+            return Err(Error::Device {
+                call: "cuMemCreate",
+                code: 2,
+                message: format!("out of memory: {used} of {} bytes mapped, {len} more asked", self.inner.capacity),
+            });
+        }
+        // SAFETY: the range lies inside one of our PROT_NONE reservations and nothing is mapped
+        // there, so changing its protection affects no other memory.
+        let rc = unsafe { libc::mprotect(addr as *mut libc::c_void, bytes, libc::PROT_READ | libc::PROT_WRITE) };
+        if rc != 0 {
+            return Err(sim_err("cuMemMap", std::io::Error::last_os_error().to_string()));
+        }
+        for page in (addr..addr + len).step_by(g as usize) {
+            mem.mapped.insert(page);
+        }
+        self.inner.committed.fetch_add(len, Ordering::AcqRel);
+        Ok(())
+    }
+
+    unsafe fn unmap(&self, addr: u64, bytes: usize) -> Result<()> {
+        check_not_in_host_fn()?;
+        let g = self.inner.granularity as u64;
+        let len = bytes as u64;
+        if bytes == 0 || addr % g != 0 || len % g != 0 {
+            return Err(Error::InvalidArgument(format!("unmap [{addr:#x}, +{bytes}) is not granularity-aligned")));
+        }
+        let mut mem = lock(&self.inner.mem);
+        if (addr..addr + len).step_by(g as usize).any(|p| !mem.mapped.contains(&p)) {
+            return Err(sim_err("cuMemUnmap", format!("[{addr:#x}, +{bytes}) is not wholly mapped")));
+        }
+        // SAFETY: the range is mapped pages of our own reservation; the caller guarantees no
+        // work still uses it. DONTNEED drops the contents (the memory goes back at once) and
+        // PROT_NONE makes later use fault, as on a GPU.
+        let rc = unsafe {
+            libc::madvise(addr as *mut libc::c_void, bytes, libc::MADV_DONTNEED);
+            libc::mprotect(addr as *mut libc::c_void, bytes, libc::PROT_NONE)
+        };
+        if rc != 0 {
+            return Err(sim_err("cuMemUnmap", std::io::Error::last_os_error().to_string()));
+        }
+        for page in (addr..addr + len).step_by(g as usize) {
+            mem.mapped.remove(&page);
+        }
+        self.inner.committed.fetch_sub(len, Ordering::AcqRel);
+        Ok(())
+    }
+}
+
+fn sim_event(event: &Event) -> Result<&SimEvent> {
+    event
+        .backend::<SimEvent>()
+        .ok_or_else(|| Error::InvalidArgument("event does not belong to a simulated device".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    /// Block `stream` until the returned sender is used (or dropped).
+    fn gate(dev: &SimDevice, stream: &Stream) -> mpsc::Sender<()> {
+        let (tx, rx) = mpsc::channel::<()>();
+        dev.enqueue(stream, move || {
+            let _ = rx.recv();
+        })
+        .unwrap();
+        tx
+    }
+
+    #[test]
+    fn an_event_never_recorded_is_complete() {
+        let dev = SimDevice::new(1 << 30);
+        let ev = dev.create_event().unwrap();
+        assert!(dev.query_event(&ev).unwrap());
+        dev.synchronize_event(&ev).unwrap();
+    }
+
+    #[test]
+    fn an_event_completes_only_when_its_stream_reaches_it() {
+        let dev = SimDevice::new(1 << 30);
+        let s = dev.new_stream().unwrap();
+        let open = gate(&dev, &s);
+        let ev = dev.create_event().unwrap();
+        dev.record_event(&ev, &s).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(!dev.query_event(&ev).unwrap(), "complete before the stream reached it");
+        drop(open);
+        dev.synchronize_event(&ev).unwrap();
+        assert!(dev.query_event(&ev).unwrap());
+    }
+
+    #[test]
+    fn recording_again_replaces_the_earlier_record() {
+        let dev = SimDevice::new(1 << 30);
+        let fast = dev.new_stream().unwrap();
+        let slow = dev.new_stream().unwrap();
+        let ev = dev.create_event().unwrap();
+        dev.record_event(&ev, &fast).unwrap();
+        dev.synchronize(&fast).unwrap();
+        assert!(dev.query_event(&ev).unwrap());
+        let open = gate(&dev, &slow);
+        dev.record_event(&ev, &slow).unwrap();
+        assert!(!dev.query_event(&ev).unwrap(), "the new record on the blocked stream must be pending");
+        drop(open);
+        dev.synchronize_event(&ev).unwrap();
+        assert!(dev.query_event(&ev).unwrap());
+    }
+
+    #[test]
+    fn a_stream_waiting_on_an_event_runs_nothing_after_the_wait_until_it_completes() {
+        let dev = SimDevice::new(1 << 30);
+        let a = dev.new_stream().unwrap();
+        let b = dev.new_stream().unwrap();
+        let open = gate(&dev, &a);
+        let ev = dev.create_event().unwrap();
+        dev.record_event(&ev, &a).unwrap();
+        dev.stream_wait_event(&b, &ev).unwrap();
+        let ran = Arc::new(AtomicBool::new(false));
+        let r = Arc::clone(&ran);
+        dev.enqueue(&b, move || r.store(true, Ordering::SeqCst)).unwrap();
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(!ran.load(Ordering::SeqCst), "work after the wait ran before the event completed");
+        drop(open);
+        dev.synchronize(&b).unwrap();
+        assert!(ran.load(Ordering::SeqCst));
+    }
+
+    #[test]
+    fn a_device_call_from_inside_a_host_function_fails() {
+        let dev = SimDevice::new(1 << 30);
+        let s = dev.new_stream().unwrap();
+        let (tx, rx) = mpsc::channel();
+        let d = dev.clone();
+        let s2 = s.clone();
+        dev.enqueue(&s, move || {
+            let results = [
+                d.create_event().err(),
+                d.new_stream().err(),
+                d.synchronize(&s2).err(),
+                d.enqueue(&s2, || {}).err(),
+                d.mem_info().err(),
+            ];
+            tx.send(results).unwrap();
+        })
+        .unwrap();
+        dev.synchronize(&s).unwrap();
+        for r in rx.recv().unwrap() {
+            assert!(matches!(r, Some(Error::NotPermitted(_))), "got {r:?}");
+        }
+    }
+
+    #[test]
+    fn host_functions_run_in_stream_order() {
+        let dev = SimDevice::new(1 << 30);
+        let s = dev.new_stream().unwrap();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        for i in 0..100 {
+            let l = Arc::clone(&log);
+            dev.enqueue(&s, move || lock(&l).push(i)).unwrap();
+        }
+        dev.synchronize(&s).unwrap();
+        assert_eq!(*lock(&log), (0..100).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn mapped_pages_are_memory_and_capacity_is_enforced() {
+        let g = 2 << 20;
+        let dev = SimDevice::new(4 * g as u64);
+        let base = dev.reserve(16 * g as u64).unwrap();
+        assert_eq!(base % g as u64, 0);
+        dev.map(base, 2 * g).unwrap();
+        assert!(dev.map(base, g).is_err(), "mapping over a mapped page must fail");
+        dev.map(base + 2 * g as u64, 2 * g).unwrap();
+        let over = dev.map(base + 4 * g as u64, g);
+        assert!(matches!(over, Err(Error::Device { code: 2, .. })), "got {over:?}");
+        let s = dev.new_stream().unwrap();
+        dev.memset(base + 100, 0xab, 1000, &s).unwrap();
+        let mut back = vec![0u8; 1000];
+        dev.copy_from_device(&mut back, base + 100, &s).unwrap();
+        assert!(back.iter().all(|&b| b == 0xab));
+        dev.copy_to_device(base + g as u64 - 4, &[1, 2, 3, 4, 5, 6, 7, 8], &s).unwrap();
+        let mut eight = [0u8; 8];
+        dev.copy_from_device(&mut eight, base + g as u64 - 4, &s).unwrap();
+        assert_eq!(eight, [1, 2, 3, 4, 5, 6, 7, 8]);
+        assert_eq!(dev.committed_bytes(), 4 * g as u64);
+        // SAFETY: the stream is synchronized; nothing uses the pages any more.
+        unsafe { dev.unmap(base, 4 * g).unwrap() };
+        assert_eq!(dev.committed_bytes(), 0);
+        assert!(dev.memset(base, 0, 16, &s).is_err(), "memset on unmapped memory must fail");
+        // SAFETY: nothing is mapped or in use.
+        unsafe { dev.release(base, 16 * g as u64).unwrap() };
+    }
+
+    #[test]
+    fn raw_handles_are_reused_but_stream_ids_are_not() {
+        let dev = SimDevice::new(1 << 30);
+        let a = dev.new_stream().unwrap();
+        let (raw, id) = (a.raw(), a.id());
+        dev.destroy_stream(&a).unwrap();
+        assert!(matches!(dev.enqueue(&a, || {}), Err(Error::StreamDestroyed)));
+        let b = dev.new_stream().unwrap();
+        assert_eq!(b.raw(), raw, "the simulator reuses raw handles, as the driver does");
+        assert_ne!(b.id(), id);
+        // SAFETY: b is live and outlives the wrapper.
+        let w = unsafe { dev.wrap_stream(b.raw()).unwrap() };
+        assert_ne!(w.id(), b.id(), "a wrapper is a new handle with its own id");
+        let ran = Arc::new(AtomicBool::new(false));
+        let r = Arc::clone(&ran);
+        dev.enqueue(&w, move || r.store(true, Ordering::SeqCst)).unwrap();
+        dev.synchronize(&b).unwrap();
+        assert!(ran.load(Ordering::SeqCst), "the wrapper names the same queue");
+    }
+
+    #[test]
+    fn a_captured_stream_refuses_work_that_needs_it_to_run() {
+        let dev = SimDevice::new(1 << 30);
+        let s = dev.new_stream().unwrap();
+        let ev = dev.create_event().unwrap();
+        dev.begin_capture(&s).unwrap();
+        assert!(dev.is_capturing(&s).unwrap());
+        assert_eq!(dev.record_event(&ev, &s), Err(Error::StreamCapturing));
+        assert_eq!(dev.enqueue(&s, || {}), Err(Error::StreamCapturing));
+        dev.end_capture(&s).unwrap();
+        dev.record_event(&ev, &s).unwrap();
+    }
+
+    #[test]
+    fn touching_unmapped_memory_from_a_stream_kills_the_context() {
+        let g = 2 << 20;
+        let dev = SimDevice::new(4 * g as u64);
+        let base = dev.reserve(4 * g as u64).unwrap();
+        dev.map(base, g).unwrap();
+        let s = dev.new_stream().unwrap();
+        let open = gate(&dev, &s);
+        dev.memset(base, 1, 64, &s).unwrap();
+        // SAFETY: deliberately wrong, to show the simulator faults as a GPU would: the memset
+        // queued above runs after the unmap and touches nothing (the worker checks first).
+        unsafe { dev.unmap(base, g).unwrap() };
+        drop(open);
+        assert!(dev.synchronize(&s).is_err());
+        assert!(dev.create_event().is_ok(), "creating an event needs no context health here");
+        assert!(dev.query_event(&dev.create_event().unwrap()).is_err(), "the fault is sticky");
+    }
+}
