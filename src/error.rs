@@ -61,18 +61,20 @@ impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         const MIB: f64 = (1u64 << 20) as f64;
         match self {
-            Error::OutOfMemory { requested, reserved, allocated, cached, retiring, largest_free, max_reserved } => write!(
-                f,
-                "out of device memory: asked {requested} B ({:.1} MiB); reserved {:.1} MiB of at most {:.1} MiB, \
+            Error::OutOfMemory { requested, reserved, allocated, cached, retiring, largest_free, max_reserved } => {
+                write!(
+                    f,
+                    "out of device memory: asked {requested} B ({:.1} MiB); reserved {:.1} MiB of at most {:.1} MiB, \
                  allocated {:.1} MiB, cached {:.1} MiB, retiring {:.1} MiB, largest free block {:.1} MiB",
-                *requested as f64 / MIB,
-                *reserved as f64 / MIB,
-                *max_reserved as f64 / MIB,
-                *allocated as f64 / MIB,
-                *cached as f64 / MIB,
-                *retiring as f64 / MIB,
-                *largest_free as f64 / MIB,
-            ),
+                    *requested as f64 / MIB,
+                    *reserved as f64 / MIB,
+                    *max_reserved as f64 / MIB,
+                    *allocated as f64 / MIB,
+                    *cached as f64 / MIB,
+                    *retiring as f64 / MIB,
+                    *largest_free as f64 / MIB,
+                )
+            }
             Error::TooLarge { requested, limit } => {
                 write!(f, "request of {requested} B can never be served: the pool's limit is {limit} B")
             }

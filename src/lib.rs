@@ -4,5 +4,12 @@
 
 mod sync;
 
+#[cfg(loom)]
+pub mod arena;
+// The pool that uses the arena is not written yet; until then only the tests use it.
+#[cfg(not(loom))]
+#[allow(dead_code, unused_imports)]
+pub(crate) mod arena;
+
 pub mod error;
 pub use error::{Error, Result};

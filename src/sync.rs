@@ -19,10 +19,10 @@ pub(crate) mod atomic {
     pub use loom::sync::atomic::{fence, AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 }
 
-#[cfg(not(loom))]
-pub(crate) use std::sync::Arc;
 #[cfg(loom)]
 pub(crate) use loom::sync::Arc;
+#[cfg(not(loom))]
+pub(crate) use std::sync::Arc;
 
 /// The epoch-based reclamation crate, in its loom build under `--cfg crossbeam_loom`.
 pub(crate) use crossbeam_epoch as epoch;
@@ -63,10 +63,7 @@ pub(crate) use vp_thread_local as thread_local;
 /// An `UnsafeCell` whose accesses go through closures, as loom's does, so that loom can
 /// check that no access races with another.
 #[derive(Debug)]
-pub(crate) struct UnsafeCell<T>(
-    #[cfg(not(loom))] std::cell::UnsafeCell<T>,
-    #[cfg(loom)] loom::cell::UnsafeCell<T>,
-);
+pub(crate) struct UnsafeCell<T>(#[cfg(not(loom))] std::cell::UnsafeCell<T>, #[cfg(loom)] loom::cell::UnsafeCell<T>);
 
 #[allow(dead_code)]
 impl<T> UnsafeCell<T> {
