@@ -116,7 +116,7 @@ impl Arena {
     /// An arena over `[base, base + range)`, wholly free. `range` must be a power of two of at
     /// least 256 bytes (and at most 2^48), `base` 256-aligned, and the range must not wrap.
     pub fn new(base: u64, range: u64) -> Result<Arena, Error> {
-        if !range.is_power_of_two() || range < MIN_BLOCK || range > 1 << MAX_RANGE_ORDER {
+        if !range.is_power_of_two() || !(MIN_BLOCK..=1 << MAX_RANGE_ORDER).contains(&range) {
             return Err(Error::InvalidArgument(format!(
                 "arena range {range:#x} must be a power of two between 256 B and 2^{MAX_RANGE_ORDER} B"
             )));

@@ -148,7 +148,7 @@ impl HBitmap {
     }
 
     /// Follow a child pointer, making and publishing the child if it is missing.
-    fn child_or_make<'a>(slot: &'a AtomicPtr<Node>, height: usize, start: usize, n: usize) -> &'a Node {
+    fn child_or_make(slot: &AtomicPtr<Node>, height: usize, start: usize, n: usize) -> &Node {
         if let Some(c) = Self::child(slot) {
             return c;
         }
