@@ -512,3 +512,41 @@ mod tests {
         assert_eq!(walked, found, "every set bit is reachable through the hints");
     }
 }
+
+#[cfg(test)]
+mod model {
+    use super::HBitmap;
+    use proptest::prelude::*;
+    use std::collections::BTreeSet;
+
+    proptest! {
+        #[test]
+        fn hbitmap_matches_a_btreeset(n in 1usize..20_000, ops in prop::collection::vec((0u8..4, any::<usize>()), 1..300)) {
+            let b = HBitmap::new(n);
+            let mut m = BTreeSet::new();
+            for (op, x) in ops {
+                let i = x % n;
+                match op {
+                    0 | 1 => {
+                        let o = b.set(i).unwrap();
+                        prop_assert_eq!(o.was_set, !m.insert(i));
+                        prop_assert_eq!(o.buddy_was_set, m.contains(&(i ^ 1)));
+                    }
+                    2 => prop_assert_eq!(b.try_clear(i), m.remove(&i)),
+                    _ => {
+                        let both = m.contains(&(i & !1)) && m.contains(&(i | 1));
+                        prop_assert_eq!(b.try_clear_pair(i), both);
+                        if both {
+                            m.remove(&(i & !1));
+                            m.remove(&(i | 1));
+                        }
+                    }
+                }
+                prop_assert_eq!(b.find_first_set(), m.first().copied());
+            }
+            let mut walked = vec![];
+            b.walk(&mut |i| { walked.push(i); true });
+            prop_assert_eq!(walked, m.into_iter().collect::<Vec<_>>());
+        }
+    }
+}
