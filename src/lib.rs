@@ -7,7 +7,7 @@ mod sync;
 pub mod device;
 pub mod error;
 
-pub use device::{Device, DeviceKind, Event, MemInfo, SimDevice, Stream, StreamId};
 #[cfg(feature = "cuda")]
 pub use device::CudaDevice;
+pub use device::{Device, DeviceKind, Event, MemInfo, SimDevice, Stream, StreamId};
 pub use error::{Error, Result};
