@@ -52,7 +52,7 @@ fn in_host_fn() -> bool {
     IN_HOST_FN.with(Cell::get)
 }
 
-/// Every driver symbol this module (and the tests' kernel launcher) calls. cudarc's loader
+/// Every driver symbol this module calls. cudarc's loader
 /// panics on a missing one, so they are all looked up before the first call.
 const SYMBOLS: &[&str] = &[
     "cuInit",
@@ -448,14 +448,11 @@ impl Drop for HostFnFlag {
 unsafe extern "C" fn host_trampoline(data: *mut c_void) {
     // SAFETY: by the contract, `data` is an owned, live `Box<HostCall>` given to us once.
     let call = unsafe { Box::from_raw(data.cast::<HostCall>()) };
+    // Held to the end: everything dropped here (the closure's captures, and the device itself
+    // should the upgrade below hold its last reference) must park rather than call the driver.
+    let _flag = HostFnFlag::set();
     let HostCall { f, device } = *call;
-    let panicked = {
-        let _flag = HostFnFlag::set();
-        // The closure and everything it captured are dropped inside the catch, with the flag
-        // set, so a handle dropped there is parked rather than destroyed.
-        catch_unwind(AssertUnwindSafe(f)).is_err()
-    };
-    if panicked {
+    if catch_unwind(AssertUnwindSafe(f)).is_err() {
         if let Some(dev) = device.upgrade() {
             dev.host_fn_panics.fetch_add(1, Ordering::Relaxed);
         }

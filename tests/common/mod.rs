@@ -74,7 +74,7 @@ $Lfill_loop:
     setp.ge.u64 %p1, %rd3, %rd2;
     @%p1 bra $Lfill_done;
     cvt.u32.u64 %r6, %rd3;
-    mul.lo.u32 %r6, %r6, 0x9E3779B1;
+    mul.lo.s32 %r6, %r6, -1640531535;
     xor.b32 %r6, %r6, %r1;
     shl.b64 %rd6, %rd3, 2;
     add.u64 %rd7, %rd1, %rd6;
@@ -115,7 +115,7 @@ $Lcheck_loop:
     setp.ge.u64 %p1, %rd3, %rd2;
     @%p1 bra $Lcheck_end;
     cvt.u32.u64 %r6, %rd3;
-    mul.lo.u32 %r6, %r6, 0x9E3779B1;
+    mul.lo.s32 %r6, %r6, -1640531535;
     xor.b32 %r6, %r6, %r1;
     shl.b64 %rd6, %rd3, 2;
     add.u64 %rd7, %rd1, %rd6;
@@ -153,14 +153,30 @@ impl Kernels {
         let have_nvrtc = unsafe { cudarc::nvrtc::sys::is_culib_present() };
         // VRAMPOOL_TEST_PTX=1 forces the hand-written kernels, to test them where NVRTC exists.
         let have_nvrtc = have_nvrtc && std::env::var_os("VRAMPOOL_TEST_PTX").is_none();
-        let (ptx, source) = if have_nvrtc {
+        let compiled = if have_nvrtc {
             let t = Instant::now();
-            let ptx = cudarc::nvrtc::compile_ptx(CUDA_SRC).expect("NVRTC failed to compile the test kernels");
-            println!("kernels compiled by NVRTC in {:.1} ms", t.elapsed().as_secs_f64() * 1e3);
-            (ptx.to_src(), "NVRTC")
+            // cudarc panics on a missing NVRTC symbol; either failure falls back to the PTX.
+            match std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx(CUDA_SRC)) {
+                Ok(Ok(ptx)) => {
+                    println!("kernels compiled by NVRTC in {:.1} ms", t.elapsed().as_secs_f64() * 1e3);
+                    Some(ptx.to_src())
+                }
+                Ok(Err(e)) => {
+                    println!("NVRTC failed ({e:?}): using the hand-written PTX kernels");
+                    None
+                }
+                Err(_) => {
+                    println!("NVRTC could not be used: using the hand-written PTX kernels");
+                    None
+                }
+            }
         } else {
-            println!("libnvrtc not found: using the hand-written PTX kernels");
-            (PTX_SRC.to_string(), "hand-written PTX")
+            println!("libnvrtc not found (or VRAMPOOL_TEST_PTX set): using the hand-written PTX kernels");
+            None
+        };
+        let (ptx, source) = match compiled {
+            Some(ptx) => (ptx, "NVRTC"),
+            None => (PTX_SRC.to_string(), "hand-written PTX"),
         };
         let image = CString::new(ptx).expect("PTX contains a NUL");
         dev.bind_context().expect("bind the primary context");
