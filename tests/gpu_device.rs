@@ -445,3 +445,35 @@ fn vmm_costs() {
         "unmapping did not give the memory back at once"
     );
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_map_that_runs_out_of_memory_part_way_unmaps_what_it_mapped() {
+    let dev = device();
+    let g = dev.granularity() as u64;
+    // More than the whole device, so cuMemCreate fails after many pages were mapped.
+    let bytes = (dev.total_memory() / g + 4096) * g;
+    let base = dev.reserve(bytes).unwrap();
+    let before = dev.mem_info().unwrap().free;
+    let t = Instant::now();
+    let r = dev.map(base, bytes as usize);
+    let took = t.elapsed();
+    let after = dev.mem_info().unwrap().free;
+    println!(
+        "map of {:.1} GiB on a {:.1} GiB device: {r:?} after {:.2} s; free {:.1} MiB before, {:.1} MiB after",
+        bytes as f64 / (1u64 << 30) as f64,
+        dev.total_memory() as f64 / (1u64 << 30) as f64,
+        took.as_secs_f64(),
+        before as f64 / MIB as f64,
+        after as f64 / MIB as f64
+    );
+    assert!(matches!(r, Err(Error::Device { call: "cuMemCreate", .. })), "got {r:?}");
+    assert!(after + 64 * MIB >= before, "the pages mapped before the failure were not given back");
+    // Nothing is left mapped: every page can be mapped again.
+    dev.map(base, 4 * g as usize).unwrap();
+    // SAFETY: nothing uses the pages or the range.
+    unsafe {
+        dev.unmap(base, 4 * g as usize).unwrap();
+        dev.release(base, bytes).unwrap();
+    }
+}
