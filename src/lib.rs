@@ -6,10 +6,21 @@ mod sync;
 
 #[cfg(loom)]
 pub mod arena;
-// The pool that uses the arena is not written yet; until then only the tests use it.
 #[cfg(not(loom))]
-#[allow(dead_code, unused_imports)]
 pub(crate) mod arena;
+#[cfg(loom)]
+pub mod reclaim;
+#[cfg(not(loom))]
+pub(crate) mod reclaim;
 
+pub mod device;
 pub mod error;
+mod pool;
+mod stats;
+
+pub use device::{Device, DeviceKind, Event, MemInfo, SimDevice, Stream, StreamId};
+#[cfg(feature = "cuda")]
+pub use device::CudaDevice;
 pub use error::{Error, Result};
+pub use pool::{Block, Pool, PoolConfig, ALIGN};
+pub use stats::Stats;

@@ -266,11 +266,11 @@ pub fn auto(sim_capacity: u64) -> (Arc<dyn Device>, String) {
     match CudaDevice::new(0) {
         Ok(dev) => {
             let why = format!("CUDA device 0: {}", dev.name());
-            return (Arc::new(dev), why);
+            (Arc::new(dev), why)
         }
         Err(e) => {
             let sim = SimDevice::new(sim_capacity);
-            return (Arc::new(sim), format!("simulated device ({} GiB): no CUDA GPU ({e})", sim_capacity >> 30));
+            (Arc::new(sim), format!("simulated device ({} GiB): no CUDA GPU ({e})", sim_capacity >> 30))
         }
     }
     #[cfg(not(feature = "cuda"))]

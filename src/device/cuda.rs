@@ -1,0 +1,845 @@
+//! `CudaDevice`: a CUDA GPU through the driver API (cudarc's raw `sys` bindings, loaded at
+//! run time), on the device's primary context.
+//!
+//! Choices, and why:
+//!
+//! - **Loading never panics.** cudarc's loader panics when `libcuda` or one of its symbols is
+//!   missing, so [`CudaDevice::new`] first checks that the library loads and that every symbol
+//!   this module calls resolves; only then does it call the driver. Without a driver it returns
+//!   [`Error::NoDevice`] and [`super::auto`] falls back to the simulator.
+//! - **The primary context**, retained for as long as any clone, stream or event of the device
+//!   lives, so vrampool shares memory and streams with PyTorch or any runtime-API code. It is
+//!   bound before every driver call, because a block may be dropped on any thread: the current
+//!   context is read back from the driver (`cuCtxGetCurrent`, a thread-local read inside the
+//!   driver) rather than cached on our side, so code that switches contexts behind our back
+//!   (another device, a library's own context) cannot leave us calling into the wrong one.
+//! - **Host functions** run through one `extern "C"` trampoline that owns the boxed closure,
+//!   runs it under `catch_unwind` (unwinding into the driver is undefined behaviour) and marks
+//!   the thread as inside a host function, so every method called from there fails with
+//!   [`Error::NotPermitted`] before it reaches the driver (which would refuse or deadlock).
+//!   Streams and events whose last handle is dropped inside a host function cannot be
+//!   destroyed there: they are parked and destroyed by the next device call on another thread.
+//! - **Capture**: operations that need the stream's work to run (synchronize, event record and
+//!   wait, host functions, copies, memset) check `cuStreamIsCapturing` first and fail with
+//!   [`Error::StreamCapturing`], as the simulator does. Otherwise some of them would be
+//!   recorded into the user's graph and others would invalidate the user's capture.
+//! - **Virtual memory**: every granularity page gets its own physical allocation
+//!   (`cuMemCreate` + `cuMemMap`), so any page can later be unmapped alone; the allocation
+//!   handle is released right after mapping (the mapping keeps the memory alive and unmapping
+//!   frees it), so no handle table is kept. Access is then granted with one `cuMemSetAccess`
+//!   over the whole range the call mapped: the driver allows a range spanning several
+//!   allocations, and setting access is the dearest step of a map, so a run of pages pays it
+//!   once.
+
+use std::cell::Cell;
+use std::ffi::{c_void, CStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use cudarc::driver::sys;
+use sys::CUresult;
+
+use super::{in_host_fn_error, Device, DeviceKind, Event, HostFn, MemInfo, Stream};
+use crate::error::{Error, Result};
+
+thread_local! {
+    /// Set while the trampoline runs a host function on this thread.
+    static IN_HOST_FN: Cell<bool> = const { Cell::new(false) };
+}
+
+fn in_host_fn() -> bool {
+    IN_HOST_FN.with(Cell::get)
+}
+
+/// Every driver symbol this module calls. cudarc's loader
+/// panics on a missing one, so they are all looked up before the first call.
+const SYMBOLS: &[&str] = &[
+    "cuInit",
+    "cuGetErrorName",
+    "cuGetErrorString",
+    "cuDeviceGet",
+    "cuDeviceGetName",
+    "cuDeviceTotalMem_v2",
+    "cuDevicePrimaryCtxRetain",
+    "cuDevicePrimaryCtxRelease_v2",
+    "cuCtxGetCurrent",
+    "cuCtxSetCurrent",
+    "cuStreamCreate",
+    "cuStreamDestroy_v2",
+    "cuStreamSynchronize",
+    "cuStreamIsCapturing",
+    "cuStreamWaitEvent",
+    "cuEventCreate",
+    "cuEventDestroy_v2",
+    "cuEventRecord",
+    "cuEventQuery",
+    "cuEventSynchronize",
+    "cuLaunchHostFunc",
+    "cuMemcpyHtoDAsync_v2",
+    "cuMemcpyDtoHAsync_v2",
+    "cuMemsetD8Async",
+    "cuMemGetInfo_v2",
+    "cuMemGetAllocationGranularity",
+    "cuMemAddressReserve",
+    "cuMemAddressFree",
+    "cuMemCreate",
+    "cuMemMap",
+    "cuMemSetAccess",
+    "cuMemRelease",
+    "cuMemUnmap",
+];
+
+/// Whether the driver library loads and has every symbol we call; `Err` says what is missing.
+fn driver_present() -> Result<(), String> {
+    // SAFETY: is_culib_present only tries to open the library and drops it again.
+    if !unsafe { sys::is_culib_present() } {
+        return Err("the CUDA driver library (libcuda) is not installed or not on the library path".into());
+    }
+    // Loading was just shown to work, so culib() will not take its panicking branch; the
+    // catch is a second line of defence should the library vanish in between.
+    let looked_up = catch_unwind(|| {
+        // SAFETY: culib opens the driver library once, for the life of the process.
+        let lib = unsafe { sys::culib() };
+        SYMBOLS
+            .iter()
+            // SAFETY: the symbol is only looked up, never called through this type.
+            .filter(|name| unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err())
+            .copied()
+            .collect::<Vec<_>>()
+    });
+    match looked_up {
+        Ok(missing) if missing.is_empty() => Ok(()),
+        Ok(missing) => Err(format!("the CUDA driver is too old: it lacks {}", missing.join(", "))),
+        Err(_) => Err("the CUDA driver library could not be loaded".into()),
+    }
+}
+
+/// The driver's name and words for `rc` ("CUDA_ERROR_OUT_OF_MEMORY: out of memory").
+fn describe(rc: CUresult) -> String {
+    let mut name: *const std::ffi::c_char = std::ptr::null();
+    let mut text: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: both calls only write a pointer to a static string (or leave it alone on failure);
+    // the library is loaded, since no CUresult exists before the driver was found.
+    let (rn, rt) = unsafe { (sys::cuGetErrorName(rc, &mut name), sys::cuGetErrorString(rc, &mut text)) };
+    let read = |ok: bool, p: *const std::ffi::c_char| {
+        if ok && !p.is_null() {
+            // SAFETY: the driver returned a pointer to a NUL-terminated static string.
+            Some(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+        } else {
+            None
+        }
+    };
+    let ok = |r: CUresult| r == CUresult::CUDA_SUCCESS;
+    match (read(ok(rn), name), read(ok(rt), text)) {
+        (Some(n), Some(t)) => format!("{n}: {t}"),
+        (Some(n), None) => n,
+        (None, Some(t)) => t,
+        (None, None) => format!("{rc:?}"),
+    }
+}
+
+fn driver_error(call: &'static str, rc: CUresult) -> Error {
+    use CUresult::*;
+    match rc {
+        CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+        | CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+        | CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
+        | CUDA_ERROR_CAPTURED_EVENT => Error::StreamCapturing,
+        _ => Error::Device { call, code: rc as i32, message: describe(rc) },
+    }
+}
+
+fn check(call: &'static str, rc: CUresult) -> Result<()> {
+    if rc == CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(driver_error(call, rc))
+    }
+}
+
+/// A CUDA GPU, on its primary context. Cheap to clone: clones are the same device.
+#[derive(Clone)]
+pub struct CudaDevice {
+    inner: Arc<CudaInner>,
+}
+
+/// Raw driver handles are kept as integers: they are plain tokens to us, and integers are
+/// `Send + Sync` without claims we would have to argue for.
+struct CudaInner {
+    ordinal: usize,
+    device: sys::CUdevice,
+    /// The retained primary context (`CUcontext`).
+    ctx: usize,
+    name: String,
+    total: u64,
+    granularity: usize,
+    /// Streams and events whose last handle was dropped inside a host function.
+    parked: Mutex<Vec<Parked>>,
+    any_parked: AtomicBool,
+    host_fn_panics: AtomicU64,
+}
+
+enum Parked {
+    Stream(usize),
+    Event(usize),
+}
+
+/// Locks here guard plain lists and are never held across user code; a poisoned one only
+/// means a panic elsewhere, and the list is still good.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl CudaInner {
+    fn ctx(&self) -> sys::CUcontext {
+        self.ctx as sys::CUcontext
+    }
+
+    /// Make our context current on this thread.
+    fn bind(&self) -> Result<()> {
+        let mut cur: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: writes the calling thread's current context into `cur`.
+        let rc = unsafe { sys::cuCtxGetCurrent(&mut cur) };
+        if rc == CUresult::CUDA_SUCCESS && cur == self.ctx() {
+            return Ok(());
+        }
+        // SAFETY: ctx is our retained primary context, alive as long as self.
+        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.ctx()) })
+    }
+
+    /// The prologue of every device method: refuse inside host functions, destroy what was
+    /// parked, bind the context.
+    fn enter(&self) -> Result<()> {
+        if in_host_fn() {
+            return Err(in_host_fn_error());
+        }
+        self.bind()?;
+        // Acquire: pairs with the Release store in `park`, so the list holds the entry.
+        if self.any_parked.load(Ordering::Acquire) {
+            self.destroy_parked();
+        }
+        Ok(())
+    }
+
+    fn park(&self, what: Parked) {
+        lock(&self.parked).push(what);
+        self.any_parked.store(true, Ordering::Release);
+    }
+
+    /// Destroy parked streams and events; the context must be current.
+    fn destroy_parked(&self) {
+        let parked = {
+            let mut list = lock(&self.parked);
+            self.any_parked.store(false, Ordering::Release);
+            std::mem::take(&mut *list)
+        };
+        for p in parked {
+            // Failures are ignored: there is no caller to tell, and the handle is gone either way.
+            // SAFETY: each handle was created on this context and its last user dropped it.
+            unsafe {
+                match p {
+                    Parked::Stream(s) => {
+                        let _ = sys::cuStreamDestroy_v2(s as sys::CUstream);
+                    }
+                    Parked::Event(e) => {
+                        let _ = sys::cuEventDestroy_v2(e as sys::CUevent);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Destroy a stream or an event now, or park it when on a host-function thread.
+    fn dispose(&self, what: Parked) {
+        if in_host_fn() || self.bind().is_err() {
+            self.park(what);
+            return;
+        }
+        // SAFETY: as in destroy_parked; the context was bound just now.
+        unsafe {
+            match what {
+                Parked::Stream(s) => {
+                    let _ = sys::cuStreamDestroy_v2(s as sys::CUstream);
+                }
+                Parked::Event(e) => {
+                    let _ = sys::cuEventDestroy_v2(e as sys::CUevent);
+                }
+            }
+        }
+    }
+
+    fn stream<'a>(&self, s: &'a Stream) -> Result<&'a CudaStream> {
+        let h =
+            s.backend::<CudaStream>().ok_or_else(|| Error::InvalidArgument("stream is not a CUDA stream".into()))?;
+        // Compared by context, not by `CudaInner`: two `CudaDevice::new(n)` share one.
+        if h.device.ctx != self.ctx {
+            return Err(Error::InvalidArgument("stream belongs to another CUDA device".into()));
+        }
+        if s.is_destroyed() {
+            return Err(Error::StreamDestroyed);
+        }
+        Ok(h)
+    }
+
+    fn event<'a>(&self, e: &'a Event) -> Result<&'a CudaEvent> {
+        let h = e.backend::<CudaEvent>().ok_or_else(|| Error::InvalidArgument("event is not a CUDA event".into()))?;
+        if h.device.ctx != self.ctx {
+            return Err(Error::InvalidArgument("event belongs to another CUDA device".into()));
+        }
+        Ok(h)
+    }
+
+    fn capturing(&self, h: &CudaStream) -> Result<bool> {
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: the stream is live (the caller checked) and of our context, which is bound.
+        let rc = unsafe { sys::cuStreamIsCapturing(h.raw(), &mut status) };
+        match rc {
+            CUresult::CUDA_SUCCESS => Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE),
+            // The legacy stream while another stream captures in global mode: it cannot run.
+            CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT => Ok(true),
+            rc => Err(driver_error("cuStreamIsCapturing", rc)),
+        }
+    }
+
+    /// The checks shared by every operation that needs the stream's work to run.
+    fn running<'a>(&self, s: &'a Stream) -> Result<&'a CudaStream> {
+        self.enter()?;
+        let h = self.stream(s)?;
+        if self.capturing(h)? {
+            return Err(Error::StreamCapturing);
+        }
+        Ok(h)
+    }
+
+    fn aligned(&self, what: &str, addr: u64, bytes: u64) -> Result<()> {
+        let g = self.granularity as u64;
+        if bytes == 0 || addr % g != 0 || bytes % g != 0 || addr.checked_add(bytes).is_none() {
+            return Err(Error::InvalidArgument(format!(
+                "{what} [{addr:#x}, +{bytes}) is not a non-empty range aligned to the granularity ({g} B)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Unmap `[addr, addr + bytes)` page by page; the context must be current. Returns the
+    /// first failure but tries every page, so one bad page does not strand the rest.
+    fn unmap_pages(&self, addr: u64, bytes: u64) -> Result<()> {
+        let g = self.granularity as u64;
+        let mut first = Ok(());
+        for page in (addr..addr + bytes).step_by(self.granularity) {
+            // SAFETY: the caller guarantees nothing uses the page; the driver rejects a page
+            // that is not mapped.
+            let rc = unsafe { sys::cuMemUnmap(page, g as usize) };
+            if first.is_ok() {
+                first = check("cuMemUnmap", rc);
+            }
+        }
+        first
+    }
+
+    fn alloc_prop(&self) -> sys::CUmemAllocationProp {
+        sys::CUmemAllocationProp {
+            type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+            requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: self.device,
+            },
+            win32HandleMetaData: std::ptr::null_mut(),
+            allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+                compressionType: 0,
+                gpuDirectRDMACapable: 0,
+                usage: 0,
+                reserved: [0; 4],
+            },
+        }
+    }
+}
+
+impl Drop for CudaInner {
+    fn drop(&mut self) {
+        // Inside a host function the driver must not be called: the context stays retained
+        // (a leak of one reference, at worst until the process ends).
+        if in_host_fn() {
+            return;
+        }
+        if self.bind().is_ok() {
+            self.destroy_parked();
+        }
+        // SAFETY: releases the one reference `new` retained; every stream and event of this
+        // device held an `Arc` of us, so none is left to use the context through us.
+        let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };
+    }
+}
+
+/// What a [`Stream`] of this device holds.
+struct CudaStream {
+    raw: usize,
+    /// True while this handle owns a stream not yet destroyed: whoever swaps it to false
+    /// (destroy_stream or the drop of the last handle) destroys it, exactly once.
+    owned_live: AtomicBool,
+    owned: bool,
+    device: Arc<CudaInner>,
+}
+
+impl CudaStream {
+    fn raw(&self) -> sys::CUstream {
+        self.raw as sys::CUstream
+    }
+
+    fn take_ownership(&self) -> bool {
+        self.owned_live.swap(false, Ordering::AcqRel)
+    }
+}
+
+impl Drop for CudaStream {
+    fn drop(&mut self) {
+        if self.take_ownership() {
+            self.device.dispose(Parked::Stream(self.raw));
+        }
+    }
+}
+
+/// What an [`Event`] of this device holds.
+struct CudaEvent {
+    raw: usize,
+    device: Arc<CudaInner>,
+}
+
+impl CudaEvent {
+    fn raw(&self) -> sys::CUevent {
+        self.raw as sys::CUevent
+    }
+}
+
+impl Drop for CudaEvent {
+    fn drop(&mut self) {
+        self.device.dispose(Parked::Event(self.raw));
+    }
+}
+
+/// What the trampoline receives: the closure and where to count its panics.
+struct HostCall {
+    f: HostFn,
+    device: Weak<CudaInner>,
+}
+
+/// Clears the in-host-function flag however the closure ends.
+struct HostFnFlag;
+
+impl HostFnFlag {
+    fn set() -> HostFnFlag {
+        IN_HOST_FN.with(|c| c.set(true));
+        HostFnFlag
+    }
+}
+
+impl Drop for HostFnFlag {
+    fn drop(&mut self) {
+        IN_HOST_FN.with(|c| c.set(false));
+    }
+}
+
+/// Run a host function for the driver.
+///
+/// # Safety
+/// `data` must come from `Box::into_raw` of a `Box<HostCall>` and be passed here exactly once.
+unsafe extern "C" fn host_trampoline(data: *mut c_void) {
+    // SAFETY: by the contract, `data` is an owned, live `Box<HostCall>` given to us once.
+    let call = unsafe { Box::from_raw(data.cast::<HostCall>()) };
+    // Held to the end: everything dropped here (the closure's captures, and the device itself
+    // should the upgrade below hold its last reference) must park rather than call the driver.
+    let _flag = HostFnFlag::set();
+    let HostCall { f, device } = *call;
+    if catch_unwind(AssertUnwindSafe(f)).is_err() {
+        if let Some(dev) = device.upgrade() {
+            dev.host_fn_panics.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl CudaDevice {
+    /// Open GPU `ordinal` on its primary context. Fails with [`Error::NoDevice`] when there is
+    /// no driver, no such GPU, or the driver refuses to start; never panics.
+    pub fn new(ordinal: usize) -> Result<CudaDevice> {
+        if in_host_fn() {
+            return Err(in_host_fn_error());
+        }
+        driver_present().map_err(Error::NoDevice)?;
+        let no_device = |call: &str, rc: CUresult| Error::NoDevice(format!("{call} failed: {}", describe(rc)));
+        // SAFETY: cuInit has no preconditions and may be called any number of times.
+        let rc = unsafe { sys::cuInit(0) };
+        if rc != CUresult::CUDA_SUCCESS {
+            return Err(no_device("cuInit", rc));
+        }
+        let ord = i32::try_from(ordinal).map_err(|_| Error::NoDevice(format!("no CUDA device {ordinal}")))?;
+        let mut device: sys::CUdevice = 0;
+        // SAFETY: writes the device handle for `ord`; the driver rejects a bad ordinal.
+        let rc = unsafe { sys::cuDeviceGet(&mut device, ord) };
+        if rc != CUresult::CUDA_SUCCESS {
+            return Err(no_device("cuDeviceGet", rc));
+        }
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: retains the device's primary context, released in CudaInner's Drop.
+        let rc = unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, device) };
+        if rc != CUresult::CUDA_SUCCESS {
+            return Err(no_device("cuDevicePrimaryCtxRetain", rc));
+        }
+        // From here on the retain is owned by `inner`; its Drop releases it on any failure.
+        let mut inner = CudaInner {
+            ordinal,
+            device,
+            ctx: ctx as usize,
+            name: String::new(),
+            total: 0,
+            granularity: 0,
+            parked: Mutex::new(Vec::new()),
+            any_parked: AtomicBool::new(false),
+            host_fn_panics: AtomicU64::new(0),
+        };
+        inner.bind()?;
+
+        let mut name = [0 as std::ffi::c_char; 256];
+        // SAFETY: the driver writes at most `len` bytes, NUL-terminated, into `name`.
+        check("cuDeviceGetName", unsafe { sys::cuDeviceGetName(name.as_mut_ptr(), name.len() as i32, device) })?;
+        // SAFETY: the buffer is zeroed past the name and its last byte is never written
+        // beyond `len`, so a NUL lies inside it.
+        inner.name = unsafe { CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
+
+        let mut total = 0usize;
+        // SAFETY: writes the device's memory size.
+        check("cuDeviceTotalMem", unsafe { sys::cuDeviceTotalMem_v2(&mut total, device) })?;
+        inner.total = total as u64;
+
+        let prop = inner.alloc_prop();
+        let mut granularity = 0usize;
+        // SAFETY: `prop` is a fully initialised property block; the driver writes one usize.
+        check("cuMemGetAllocationGranularity", unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut granularity,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        })?;
+        if granularity == 0 || !granularity.is_power_of_two() {
+            return Err(Error::NoDevice(format!(
+                "device {ordinal} reports a virtual-memory granularity of {granularity} B; \
+                 virtual memory management is needed"
+            )));
+        }
+        inner.granularity = granularity;
+        Ok(CudaDevice { inner: Arc::new(inner) })
+    }
+
+    /// The device's ordinal, as given to [`CudaDevice::new`].
+    pub fn ordinal(&self) -> usize {
+        self.inner.ordinal
+    }
+
+    /// The primary context (`CUcontext`) as an integer, for FFI.
+    pub fn context_raw(&self) -> u64 {
+        self.inner.ctx as u64
+    }
+
+    /// The driver's device handle (`CUdevice`).
+    pub fn device_raw(&self) -> i32 {
+        self.inner.device
+    }
+
+    /// Make this device's primary context current on the calling thread, for code that then
+    /// calls the driver itself (kernel launches in tests, FFI).
+    pub fn bind_context(&self) -> Result<()> {
+        self.inner.enter()
+    }
+
+    /// How many host functions panicked (the panic was caught; the stream carried on).
+    pub fn host_fn_panics(&self) -> u64 {
+        self.inner.host_fn_panics.load(Ordering::Acquire)
+    }
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("ordinal", &self.inner.ordinal)
+            .field("name", &self.inner.name)
+            .field("total", &self.inner.total)
+            .field("granularity", &self.inner.granularity)
+            .field("context", &format_args!("{:#x}", self.inner.ctx))
+            .finish()
+    }
+}
+
+impl Device for CudaDevice {
+    fn kind(&self) -> DeviceKind {
+        DeviceKind::Cuda
+    }
+
+    fn name(&self) -> String {
+        self.inner.name.clone()
+    }
+
+    fn total_memory(&self) -> u64 {
+        self.inner.total
+    }
+
+    fn mem_info(&self) -> Result<MemInfo> {
+        self.inner.enter()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: writes two sizes for the current (our) context.
+        check("cuMemGetInfo", unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) })?;
+        Ok(MemInfo { free: free as u64, total: total as u64 })
+    }
+
+    fn create_stream(&self) -> Result<Stream> {
+        self.inner.enter()?;
+        let mut raw: sys::CUstream = std::ptr::null_mut();
+        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+        // SAFETY: writes a new stream handle of the current (our) context.
+        check("cuStreamCreate", unsafe { sys::cuStreamCreate(&mut raw, flags) })?;
+        let backend = CudaStream {
+            raw: raw as usize,
+            owned_live: AtomicBool::new(true),
+            owned: true,
+            device: self.inner.clone(),
+        };
+        Ok(Stream::from_backend(raw as u64, Box::new(backend)))
+    }
+
+    unsafe fn wrap_stream(&self, raw: u64) -> Result<Stream> {
+        self.inner.enter()?;
+        let raw = usize::try_from(raw).map_err(|_| Error::InvalidArgument(format!("{raw:#x} is not a stream")))?;
+        let backend = CudaStream { raw, owned_live: AtomicBool::new(false), owned: false, device: self.inner.clone() };
+        Ok(Stream::from_backend(raw as u64, Box::new(backend)))
+    }
+
+    fn destroy_stream(&self, stream: &Stream) -> Result<()> {
+        self.inner.enter()?;
+        let h = self.inner.stream(stream)?;
+        // Both flags are swapped so that a second destroy, or the drop of the last handle,
+        // finds the stream gone; only the owner of a live owned stream calls the driver.
+        let first = stream.mark_destroyed();
+        if first && h.owned && h.take_ownership() {
+            // As documented for cuStreamDestroy: returns at once, queued work still runs.
+            // SAFETY: the stream is ours, live, and no handle will name it to the driver again.
+            check("cuStreamDestroy", unsafe { sys::cuStreamDestroy_v2(h.raw()) })?;
+        }
+        Ok(())
+    }
+
+    fn synchronize(&self, stream: &Stream) -> Result<()> {
+        let h = self.inner.running(stream)?;
+        // SAFETY: a live stream of our context, which is bound.
+        check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(h.raw()) })
+    }
+
+    fn is_capturing(&self, stream: &Stream) -> Result<bool> {
+        self.inner.enter()?;
+        let h = self.inner.stream(stream)?;
+        self.inner.capturing(h)
+    }
+
+    fn create_event(&self) -> Result<Event> {
+        self.inner.enter()?;
+        let mut raw: sys::CUevent = std::ptr::null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        // SAFETY: writes a new event handle of the current (our) context.
+        check("cuEventCreate", unsafe { sys::cuEventCreate(&mut raw, flags) })?;
+        Ok(Event::from_backend(Box::new(CudaEvent { raw: raw as usize, device: self.inner.clone() })))
+    }
+
+    fn record_event(&self, event: &Event, stream: &Stream) -> Result<()> {
+        let h = self.inner.running(stream)?;
+        let e = self.inner.event(event)?;
+        // SAFETY: a live event and a live stream of our context, which is bound.
+        check("cuEventRecord", unsafe { sys::cuEventRecord(e.raw(), h.raw()) })
+    }
+
+    fn query_event(&self, event: &Event) -> Result<bool> {
+        self.inner.enter()?;
+        let e = self.inner.event(event)?;
+        // SAFETY: a live event of our context, which is bound.
+        match unsafe { sys::cuEventQuery(e.raw()) } {
+            CUresult::CUDA_SUCCESS => Ok(true),
+            CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            rc => Err(driver_error("cuEventQuery", rc)),
+        }
+    }
+
+    fn synchronize_event(&self, event: &Event) -> Result<()> {
+        self.inner.enter()?;
+        let e = self.inner.event(event)?;
+        // SAFETY: a live event of our context, which is bound.
+        check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(e.raw()) })
+    }
+
+    fn stream_wait_event(&self, stream: &Stream, event: &Event) -> Result<()> {
+        let h = self.inner.running(stream)?;
+        let e = self.inner.event(event)?;
+        // SAFETY: a live event and a live stream of our context, which is bound.
+        check("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(h.raw(), e.raw(), 0) })
+    }
+
+    fn launch_host_fn(&self, stream: &Stream, f: HostFn) -> Result<()> {
+        let h = self.inner.running(stream)?;
+        // Boxed again because a `Box<dyn FnOnce>` is a fat pointer and the driver carries one
+        // thin `void *`.
+        let call = Box::into_raw(Box::new(HostCall { f, device: Arc::downgrade(&self.inner) }));
+        // SAFETY: a live stream of our context, which is bound; on success the driver calls the
+        // trampoline exactly once with `call`, which then owns it.
+        let rc = unsafe { sys::cuLaunchHostFunc(h.raw(), Some(host_trampoline), call.cast()) };
+        if rc != CUresult::CUDA_SUCCESS {
+            // SAFETY: the launch failed, so the driver will never call the trampoline and
+            // `call` is still ours, from Box::into_raw just above.
+            drop(unsafe { Box::from_raw(call) });
+            return Err(driver_error("cuLaunchHostFunc", rc));
+        }
+        Ok(())
+    }
+
+    fn copy_to_device(&self, dst: u64, src: &[u8], stream: &Stream) -> Result<()> {
+        let h = self.inner.running(stream)?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `src` is valid for its length until we return, and we return only after the
+        // stream (and so the copy) is done; the driver checks `dst` and faults the stream,
+        // not the host, if it is bad.
+        check("cuMemcpyHtoDAsync", unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), src.len(), h.raw()) })?;
+        // SAFETY: as above.
+        check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(h.raw()) })
+    }
+
+    fn copy_from_device(&self, dst: &mut [u8], src: u64, stream: &Stream) -> Result<()> {
+        let h = self.inner.running(stream)?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `dst` is valid and exclusively ours until we return, and we return only
+        // after the stream (and so the copy) is done.
+        check("cuMemcpyDtoHAsync", unsafe {
+            sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), src, dst.len(), h.raw())
+        })?;
+        // SAFETY: as above.
+        check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(h.raw()) })
+    }
+
+    fn memset(&self, dst: u64, value: u8, len: usize, stream: &Stream) -> Result<()> {
+        let h = self.inner.running(stream)?;
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: device memory only; the driver checks the range and faults the stream, not
+        // the host, if it is bad.
+        check("cuMemsetD8Async", unsafe { sys::cuMemsetD8Async(dst, value, len, h.raw()) })
+    }
+
+    fn granularity(&self) -> usize {
+        self.inner.granularity
+    }
+
+    fn reserve(&self, bytes: u64) -> Result<u64> {
+        self.inner.enter()?;
+        self.inner.aligned("reserve", 0, bytes)?;
+        let size = usize::try_from(bytes).map_err(|_| Error::InvalidArgument("reserve size too large".into()))?;
+        let mut base: sys::CUdeviceptr = 0;
+        // SAFETY: asks for fresh address space anywhere (addr 0); no memory is touched.
+        check("cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(&mut base, size, self.inner.granularity, 0, 0)
+        })?;
+        Ok(base)
+    }
+
+    unsafe fn release(&self, base: u64, bytes: u64) -> Result<()> {
+        self.inner.enter()?;
+        self.inner.aligned("release", base, bytes)?;
+        // SAFETY: the caller guarantees nothing is mapped under the range or uses it; the
+        // driver rejects a range that is not one reservation.
+        check("cuMemAddressFree", unsafe { sys::cuMemAddressFree(base, bytes as usize) })
+    }
+
+    fn map(&self, addr: u64, bytes: usize) -> Result<()> {
+        self.inner.enter()?;
+        self.inner.aligned("map", addr, bytes as u64)?;
+        let g = self.inner.granularity;
+        let prop = self.inner.alloc_prop();
+        let mut done = 0u64;
+        let mapped = (|| {
+            for page in (addr..addr + bytes as u64).step_by(g) {
+                let mut handle: sys::CUmemGenericAllocationHandle = 0;
+                // SAFETY: `prop` is a fully initialised property block; the driver writes a handle.
+                check("cuMemCreate", unsafe { sys::cuMemCreate(&mut handle, g, &prop, 0) })?;
+                // SAFETY: the page lies in the caller's reservation with nothing mapped there (the
+                // driver rejects it otherwise); `handle` is a live allocation of exactly `g` bytes.
+                let rc = unsafe { sys::cuMemMap(page, g, 0, handle, 0) };
+                // The mapping, if made, keeps the memory alive; unmapping will free it.
+                // SAFETY: `handle` came from cuMemCreate above and is released once.
+                let released = unsafe { sys::cuMemRelease(handle) };
+                check("cuMemMap", rc)?;
+                done += g as u64;
+                check("cuMemRelease", released)?;
+            }
+            let access = sys::CUmemAccessDesc {
+                location: self.inner.alloc_prop().location,
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            // SAFETY: the whole range was mapped by the loop above.
+            check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(addr, bytes, &access, 1) })
+        })();
+        if mapped.is_err() && done > 0 {
+            // Only what this call mapped; the first error is the one worth reporting.
+            let _ = self.inner.unmap_pages(addr, done);
+        }
+        mapped
+    }
+
+    unsafe fn unmap(&self, addr: u64, bytes: usize) -> Result<()> {
+        self.inner.enter()?;
+        self.inner.aligned("unmap", addr, bytes as u64)?;
+        self.inner.unmap_pages(addr, bytes as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn opening_a_device_never_panics() {
+        match CudaDevice::new(0) {
+            Ok(dev) => {
+                assert_eq!(dev.kind(), DeviceKind::Cuda);
+                assert!(dev.granularity().is_power_of_two());
+                assert!(dev.total_memory() > 0);
+            }
+            Err(e) => assert!(matches!(e, Error::NoDevice(_)), "expected NoDevice, got {e:?}"),
+        }
+    }
+
+    #[test]
+    fn a_missing_ordinal_is_no_device() {
+        let r = CudaDevice::new(1 << 20);
+        assert!(matches!(r, Err(Error::NoDevice(_))), "got {r:?}");
+    }
+
+    #[test]
+    fn auto_falls_back_to_the_simulator_without_a_gpu() {
+        let (dev, why) = super::super::auto(1 << 30);
+        match CudaDevice::new(0) {
+            Ok(_) => assert_eq!(dev.kind(), DeviceKind::Cuda, "{why}"),
+            Err(_) => {
+                assert_eq!(dev.kind(), DeviceKind::Simulated, "{why}");
+                assert!(why.contains("no CUDA GPU"), "{why}");
+            }
+        }
+    }
+
+    #[test]
+    fn streams_of_the_simulator_are_refused() {
+        let Ok(dev) = CudaDevice::new(0) else { return };
+        let sim = crate::device::SimDevice::new(1 << 30);
+        let s = sim.create_stream().unwrap();
+        assert!(matches!(dev.synchronize(&s), Err(Error::InvalidArgument(_))));
+    }
+}
