@@ -46,6 +46,8 @@ pub enum Error {
     StreamDestroyed,
     /// No usable device: no driver, no GPU, or the driver refused to start.
     NoDevice(String),
+    /// [`crate::Pool::check`] found the pool's books inconsistent (a bug: please report it).
+    InvariantBroken(String),
     /// A device (driver) call failed.
     Device {
         /// The driver call that failed.
@@ -82,6 +84,7 @@ impl fmt::Display for Error {
             Error::NotPermitted(what) => write!(f, "not permitted: {what}"),
             Error::StreamCapturing => write!(f, "the stream is being captured into a graph"),
             Error::StreamDestroyed => write!(f, "the stream was destroyed"),
+            Error::InvariantBroken(what) => write!(f, "pool invariant broken: {what}"),
             Error::NoDevice(why) => write!(f, "no usable device: {why}"),
             Error::Device { call, code, message } => write!(f, "{call} failed ({code}): {message}"),
         }

@@ -4,13 +4,17 @@
 
 mod sync;
 
+// The lock-free building blocks are public under `--cfg loom` so the `loom_tests` crate can
+// model them; some of their helpers serve only those models and the tests.
 #[cfg(loom)]
 pub mod arena;
 #[cfg(not(loom))]
+#[allow(dead_code, unused_imports)]
 pub(crate) mod arena;
 #[cfg(loom)]
 pub mod reclaim;
 #[cfg(not(loom))]
+#[allow(dead_code, unused_imports)]
 pub(crate) mod reclaim;
 
 pub mod device;
@@ -18,9 +22,9 @@ pub mod error;
 mod pool;
 mod stats;
 
-pub use device::{Device, DeviceKind, Event, MemInfo, SimDevice, Stream, StreamId};
 #[cfg(feature = "cuda")]
 pub use device::CudaDevice;
+pub use device::{Device, DeviceKind, Event, MemInfo, SimDevice, Stream, StreamId};
 pub use error::{Error, Result};
 pub use pool::{Block, Pool, PoolConfig, ALIGN};
 pub use stats::Stats;

@@ -10,18 +10,23 @@
 //! loom treats `SeqCst` loads and stores as `AcqRel` (loom#180): handshakes that need a
 //! total order are built on [`atomic::fence`]`(SeqCst)`, which loom does model.
 
+// The facade offers the whole set, whether or not today's code uses each one.
 #[cfg(not(loom))]
+#[allow(unused_imports)]
 pub(crate) mod atomic {
     pub use std::sync::atomic::{fence, AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 }
 #[cfg(loom)]
+#[allow(unused_imports)]
 pub(crate) mod atomic {
     pub use loom::sync::atomic::{fence, AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 }
 
 #[cfg(loom)]
+#[allow(unused_imports)]
 pub(crate) use loom::sync::Arc;
 #[cfg(not(loom))]
+#[allow(unused_imports)]
 pub(crate) use std::sync::Arc;
 
 /// The epoch-based reclamation crate, in its loom build under `--cfg crossbeam_loom`.

@@ -617,6 +617,8 @@ impl Device for CudaDevice {
     fn destroy_stream(&self, stream: &Stream) -> Result<()> {
         self.inner.enter()?;
         let h = self.inner.stream(stream)?;
+        // Before the stream goes: the pool records its final events here.
+        stream.run_destroy_hooks();
         // Both flags are swapped so that a second destroy, or the drop of the last handle,
         // finds the stream gone; only the owner of a live owned stream calls the driver.
         let first = stream.mark_destroyed();

@@ -16,7 +16,7 @@
 use std::any::Any;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
 
@@ -62,8 +62,13 @@ struct StreamInner {
     id: StreamId,
     raw: u64,
     destroyed: AtomicBool,
+    /// Run once, just before the stream is destroyed (the pool closes its batches here).
+    destroy_hooks: Mutex<Vec<DestroyHook>>,
     backend: Box<dyn Any + Send + Sync>,
 }
+
+/// A callback run just before a stream is destroyed, while it can still record work.
+pub type DestroyHook = Box<dyn FnOnce(&Stream) + Send>;
 
 static NEXT_STREAM_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -73,7 +78,15 @@ impl Stream {
     pub fn from_backend(raw: u64, backend: Box<dyn Any + Send + Sync>) -> Stream {
         // Relaxed: the counter only has to hand out distinct values.
         let id = NEXT_STREAM_ID.fetch_add(1, Ordering::Relaxed);
-        Stream { inner: Arc::new(StreamInner { id, raw, destroyed: AtomicBool::new(false), backend }) }
+        Stream {
+            inner: Arc::new(StreamInner {
+                id,
+                raw,
+                destroyed: AtomicBool::new(false),
+                destroy_hooks: Mutex::new(Vec::new()),
+                backend,
+            }),
+        }
     }
 
     /// The stream's identity: unique for the life of the process.
@@ -99,6 +112,21 @@ impl Stream {
     /// The implementation's state for this stream, if it is of type `T`.
     pub fn backend<T: 'static>(&self) -> Option<&T> {
         self.inner.backend.downcast_ref::<T>()
+    }
+
+    /// Ask for `hook` to run just before the stream is destroyed through
+    /// [`Device::destroy_stream`] (on any clone). Hooks run once, in the order added.
+    pub fn on_destroy(&self, hook: DestroyHook) {
+        self.inner.destroy_hooks.lock().unwrap_or_else(|p| p.into_inner()).push(hook);
+    }
+
+    /// Run the destroy hooks: every device implementation calls this at the start of
+    /// `destroy_stream`, before the stream stops accepting work.
+    pub fn run_destroy_hooks(&self) {
+        let hooks = std::mem::take(&mut *self.inner.destroy_hooks.lock().unwrap_or_else(|p| p.into_inner()));
+        for hook in hooks {
+            hook(self);
+        }
     }
 }
 

@@ -435,6 +435,7 @@ impl Device for SimDevice {
     fn destroy_stream(&self, stream: &Stream) -> Result<()> {
         check_not_in_host_fn()?;
         let h = self.inner.stream(stream)?;
+        stream.run_destroy_hooks();
         if stream.mark_destroyed() && h.owned {
             // As cuStreamDestroy: returns at once; work already queued still runs.
             close_stream(&h.shared);

@@ -1,0 +1,126 @@
+//! The Pool API as a user sees it, on the simulated device.
+
+use vrampool::{Block, Error, Pool, PoolConfig, SimDevice, Stats, Stream};
+
+fn pool(capacity: u64) -> (SimDevice, Pool, Stream) {
+    let dev = SimDevice::new(capacity);
+    let pool = Pool::new(dev.clone(), PoolConfig::default()).unwrap();
+    let s = dev.new_stream().unwrap();
+    (dev, pool, s)
+}
+
+#[test]
+fn blocks_are_aligned_exact_and_accounted() {
+    let (_dev, pool, s) = pool(1 << 30);
+    let b: Block = pool.alloc(4096, &s).unwrap();
+    assert_eq!(b.device_ptr() % 256, 0);
+    assert_eq!(b.len(), 4096);
+    assert!(b.capacity() >= 4096);
+    let c = pool.alloc(1000, &s).unwrap();
+    assert_eq!((c.len(), c.capacity()), (1000, 1024));
+    let st: Stats = pool.stats();
+    assert_eq!(st.allocated_bytes, 4096 + 1024);
+    assert_eq!(st.reserved_bytes, 2 << 20, "one page mapped for two small blocks");
+    pool.check().unwrap();
+    drop(b);
+    drop(c);
+    pool.check().unwrap();
+    pool.trim().unwrap();
+    pool.check().unwrap();
+    let st = pool.stats();
+    assert_eq!((st.allocated_bytes, st.reserved_bytes, st.cached_bytes, st.retiring_bytes), (0, 0, 0, 0));
+    assert_eq!(st.peak_allocated_bytes, 4096 + 1024);
+    assert_eq!(st.peak_reserved_bytes, 2 << 20);
+}
+
+#[test]
+fn a_zero_size_request_is_a_valid_empty_block() {
+    let (_dev, pool, s) = pool(1 << 30);
+    let b = pool.alloc(0, &s).unwrap();
+    assert!(b.is_empty());
+    assert_eq!(pool.stats().allocated_bytes, 0);
+}
+
+#[test]
+fn an_impossible_request_is_a_typed_error_and_damages_nothing() {
+    let (_dev, pool, s) = pool(1 << 30);
+    let keep = pool.alloc(1 << 20, &s).unwrap();
+    match pool.alloc(usize::MAX, &s) {
+        Err(Error::TooLarge { requested, limit }) => assert!(requested > limit),
+        other => panic!("expected TooLarge, got {other:?}"),
+    }
+    match pool.alloc((1 << 30) as usize, &s) {
+        Err(e @ Error::TooLarge { .. }) => assert!(e.to_string().contains("never")),
+        other => panic!("expected TooLarge past max_reserved, got {other:?}"),
+    }
+    pool.check().unwrap();
+    drop(keep);
+}
+
+#[test]
+fn out_of_memory_carries_the_figures() {
+    let (_dev, pool, s) = pool(64 << 20);
+    let mut held = vec![];
+    let err = loop {
+        match pool.alloc(8 << 20, &s) {
+            Ok(b) => held.push(b),
+            Err(e) => break e,
+        }
+    };
+    match err {
+        Error::OutOfMemory { requested, reserved, allocated, max_reserved, .. } => {
+            assert_eq!(requested, 8 << 20);
+            assert!(reserved <= max_reserved);
+            assert_eq!(allocated, held.len() as u64 * (8 << 20));
+        }
+        other => panic!("expected OutOfMemory, got {other:?}"),
+    }
+    pool.check().unwrap();
+    held.clear();
+    pool.alloc(8 << 20, &s).expect("memory freed on the same stream is usable again");
+}
+
+#[test]
+fn same_stream_reuse_needs_no_event() {
+    let (_dev, pool, s) = pool(1 << 30);
+    let a = pool.alloc(1 << 20, &s).unwrap();
+    let addr = a.device_ptr();
+    drop(a);
+    let before = pool.stats().events_recorded;
+    let b = pool.alloc(1 << 20, &s).unwrap();
+    assert_eq!(b.device_ptr(), addr);
+    assert_eq!(pool.stats().events_recorded, before);
+    assert_eq!(pool.stats().same_stream_reuses, 1);
+}
+
+#[test]
+fn another_stream_does_not_get_memory_freed_on_a_stream_that_has_not_reached_the_free() {
+    let (dev, pool, s) = pool(1 << 30);
+    let other = dev.new_stream().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    dev.enqueue(&s, move || {
+        let _ = rx.recv();
+    })
+    .unwrap();
+    let a = pool.alloc(1 << 20, &s).unwrap();
+    let addr = a.device_ptr();
+    drop(a);
+    let b = pool.alloc(1 << 20, &other).unwrap();
+    assert_ne!(b.device_ptr(), addr, "handed to another stream while the freeing stream is blocked");
+    drop(tx);
+    drop(b);
+    pool.trim().unwrap();
+    pool.check().unwrap();
+    assert_eq!(pool.stats().reserved_bytes, 0);
+}
+
+#[test]
+fn pool_stream_and_block_are_send_and_sync_as_promised() {
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>() {}
+    send_sync::<Pool>();
+    send_sync::<Stream>();
+    send::<Block>();
+    fn is_error<E: std::error::Error>() {}
+    is_error::<Error>();
+}
