@@ -33,7 +33,7 @@ const GRANULE: u64 = 256;
 const RANGE: u64 = 1 << 30;
 
 /// Alloc and free operations of the main run (each block counts twice: its alloc and its
-/// free). Debug builds are about 10× slower, so they run a tenth of it by default; the full
+/// free). Debug builds are about 5× slower, so they run a tenth of it by default; the full
 /// million is the release figure. `VRAMPOOL_STRESS_OPS` overrides both.
 fn default_ops() -> u64 {
     let fallback = if cfg!(debug_assertions) { 100_000 } else { 1_000_000 };
