@@ -367,7 +367,12 @@ impl PoolInner {
         }
         // Wait for the oldest pending event, one at a time, so the pool waits no longer than
         // it must; a stress run whose streams lag behind the host waits here, not fails.
-        while self.wait_oldest() {
+        // Other threads keep closing batches while this one waits: close again before each
+        // wait, so the loop ends only when nothing at all is left retiring or open.
+        while {
+            self.close_all();
+            self.wait_oldest()
+        } {
             Counters::bump(&self.counters.ladder_waits, 1);
             self.poll_all();
             if let Some(a) = self.try_arena(size, Mapping::Allowed)? {
