@@ -17,6 +17,12 @@ pub mod reclaim;
 #[allow(dead_code, unused_imports)]
 pub(crate) mod reclaim;
 
+#[cfg(loom)]
+pub mod cache;
+#[cfg(not(loom))]
+#[allow(dead_code, unused_imports)]
+pub(crate) mod cache;
+
 pub mod device;
 pub mod error;
 mod pool;

@@ -1,0 +1,3 @@
+//! The cache tiers above the arena: magazines, per-thread caches (T0) and per-stream depots
+//! (T1).
+pub mod magazine;
