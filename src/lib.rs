@@ -23,6 +23,8 @@ pub mod cache;
 #[allow(dead_code, unused_imports)]
 pub(crate) mod cache;
 
+#[allow(dead_code)]
+pub(crate) mod class;
 pub mod device;
 pub mod error;
 mod pool;
