@@ -1,3 +1,4 @@
 //! The cache tiers above the arena: magazines, per-thread caches (T0) and per-stream depots
 //! (T1).
+pub mod depot;
 pub mod magazine;
