@@ -34,5 +34,11 @@ mod stats;
 pub use device::CudaDevice;
 pub use device::{Device, DeviceKind, Event, MemInfo, SimDevice, Stream, StreamId};
 pub use error::{Error, Result};
-pub use pool::{Block, Pool, PoolConfig, ALIGN};
+pub use pool::{Block, Pool, PoolConfig, StreamCache, ALIGN};
 pub use stats::Stats;
+
+/// Internals exposed for the benches' baselines only; not part of the API.
+#[doc(hidden)]
+pub mod __bench {
+    pub use crate::arena::Arena;
+}

@@ -16,22 +16,40 @@ pub struct Stats {
     pub peak_allocated_bytes: u64,
     /// The most `reserved_bytes` has been.
     pub peak_reserved_bytes: u64,
-    /// Bytes freed and reusable at once on their own stream (open batches).
+    /// Bytes free for reuse on their own stream without an event: thread caches, stream
+    /// depots and open retire batches together.
     pub cached_bytes: u64,
+    /// ... of which in thread caches (T0).
+    pub thread_cached_bytes: u64,
+    /// ... of which in stream depots (T1).
+    pub depot_bytes: u64,
+    /// ... of which in open retire batches (T2, before their event is recorded).
+    pub open_batch_bytes: u64,
     /// Bytes freed and waiting for their batch's event.
     pub retiring_bytes: u64,
     /// Live blocks.
     pub live_blocks: u64,
     /// Allocations served.
     pub allocs: u64,
-    /// Allocations served by a block freed on the same stream (no event needed).
+    /// Allocations served by the thread's own cache (T0).
+    pub t0_hits: u64,
+    /// Allocations served by a magazine from the stream's depot (T1).
+    pub t1_hits: u64,
+    /// Live thread caches.
+    pub thread_caches: u64,
+    /// Allocations above the largest cached class served by a block freed on the same
+    /// stream (no event needed).
     pub same_stream_reuses: u64,
     /// Events recorded (one per closed batch, one per stream for `record_stream` blocks).
     pub events_recorded: u64,
     /// Batches whose event was seen complete and whose blocks went back to the arena.
     pub batches_retired: u64,
+    /// Times the out-of-memory ladder flushed the caches and depots into retire.
+    pub ladder_flushes: u64,
     /// Times the out-of-memory ladder had to map more pages.
     pub ladder_maps: u64,
+    /// Times the out-of-memory ladder took the blocks of other threads' idle caches.
+    pub ladder_steals: u64,
     /// Times the out-of-memory ladder waited on an event.
     pub ladder_waits: u64,
     /// Allocations refused with out-of-memory.
@@ -42,6 +60,39 @@ pub struct Stats {
     pub largest_free_block: u64,
     /// Bytes free in the arena over its whole range (mapped or not).
     pub arena_free_bytes: u64,
+    /// Bytes on mapped pages that no block holds.
+    pub free_mapped_bytes: u64,
+    /// The largest free stretch of mapped memory.
+    pub largest_free_mapped: u64,
+}
+
+impl Stats {
+    /// Share of allocations served by the thread caches (T0).
+    pub fn t0_hit_rate(&self) -> f64 {
+        ratio(self.t0_hits, self.allocs)
+    }
+
+    /// Share of allocations served by the stream depots (T1).
+    pub fn t1_hit_rate(&self) -> f64 {
+        ratio(self.t1_hits, self.allocs)
+    }
+
+    /// 1 − largest free stretch of mapped memory ÷ free mapped bytes: 0 when the free mapped
+    /// memory is one piece.
+    pub fn fragmentation(&self) -> f64 {
+        if self.free_mapped_bytes == 0 {
+            return 0.0;
+        }
+        1.0 - ratio(self.largest_free_mapped, self.free_mapped_bytes)
+    }
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
+    }
 }
 
 /// The pool's counters.
@@ -54,16 +105,19 @@ pub(crate) struct Counters {
     pub same_stream_reuses: AtomicU64,
     pub events_recorded: AtomicU64,
     pub batches_retired: AtomicU64,
+    pub ladder_flushes: AtomicU64,
     pub ladder_maps: AtomicU64,
     pub ladder_waits: AtomicU64,
+    pub ladder_steals: AtomicU64,
     pub ooms: AtomicU64,
     pub unmapped: AtomicU64,
 }
 
 impl Counters {
+    /// An allocation outside the thread caches. `allocated` may wrap below zero here while
+    /// the caches' own counters hold the matching allocations: only sums are meaningful.
     pub(crate) fn on_alloc(&self, size: u64) {
-        let now = self.allocated.fetch_add(size, Ordering::AcqRel) + size;
-        self.peak_allocated.fetch_max(now, Ordering::AcqRel);
+        self.allocated.fetch_add(size, Ordering::AcqRel);
         self.live_blocks.fetch_add(1, Ordering::AcqRel);
         self.allocs.fetch_add(1, Ordering::Relaxed);
     }

@@ -51,6 +51,89 @@ pub(crate) fn yield_now() {
     loom::thread::yield_now();
 }
 
+/// The cheap side of an asymmetric fence pair: the owner of a thread cache runs it on every
+/// operation. With [`heavy_fence`] on the other side, the pair orders as two SeqCst fences
+/// would. In production it is a compiler fence once `membarrier(2)` is known to work (the
+/// heavy side then forces a full barrier on every running thread); otherwise a real fence.
+/// Under loom it is `fence(SeqCst)`, which is what the models check.
+#[inline]
+pub(crate) fn light_fence() {
+    #[cfg(not(loom))]
+    {
+        if membarrier::available() {
+            std::sync::atomic::compiler_fence(atomic::Ordering::SeqCst);
+        } else {
+            atomic::fence(atomic::Ordering::SeqCst);
+        }
+    }
+    #[cfg(loom)]
+    atomic::fence(atomic::Ordering::SeqCst);
+}
+
+/// The expensive side of the pair: run by a thread that must see every owner's latest
+/// flag (a thief taking an idle cache). A `membarrier` system call in production. Returns
+/// false if the pair's ordering could not be guaranteed (the barrier call failed after it
+/// had been registered): the caller must then not rely on it.
+pub(crate) fn heavy_fence() -> bool {
+    #[cfg(not(loom))]
+    {
+        if membarrier::available() {
+            return membarrier::barrier();
+        }
+        atomic::fence(atomic::Ordering::SeqCst);
+        true
+    }
+    #[cfg(loom)]
+    {
+        atomic::fence(atomic::Ordering::SeqCst);
+        true
+    }
+}
+
+#[cfg(not(loom))]
+mod membarrier {
+    //! `membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)`: registered once per process; if
+    //! registration fails (an old kernel, a sandbox that filters the call) both sides of the
+    //! asymmetric pair fall back to real fences.
+    use std::sync::atomic::{AtomicU8, Ordering};
+
+    const CMD_PRIVATE_EXPEDITED: libc::c_long = 1 << 3;
+    const CMD_REGISTER_PRIVATE_EXPEDITED: libc::c_long = 1 << 4;
+
+    /// 0: not tried yet, 1: works, 2: unavailable.
+    static STATE: AtomicU8 = AtomicU8::new(0);
+
+    fn register() -> bool {
+        // SAFETY: membarrier takes plain integer arguments and touches no memory of ours.
+        let rc = unsafe { libc::syscall(libc::SYS_membarrier, CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) };
+        rc == 0
+    }
+
+    /// Whether the heavy side is a real membarrier. Registration happens on the first call
+    /// (a cache's first operation), before any thief can rely on it: a thief's barrier only
+    /// matters for owners that already switched to compiler fences, and an owner switches
+    /// only after registration succeeded.
+    #[inline]
+    pub(super) fn available() -> bool {
+        match STATE.load(Ordering::Acquire) {
+            1 => true,
+            2 => false,
+            _ => {
+                let ok = register();
+                STATE.store(if ok { 1 } else { 2 }, Ordering::Release);
+                ok
+            }
+        }
+    }
+
+    /// Run the process-wide barrier; false if the call failed.
+    pub(super) fn barrier() -> bool {
+        // SAFETY: as in `register`.
+        let rc = unsafe { libc::syscall(libc::SYS_membarrier, CMD_PRIVATE_EXPEDITED, 0, 0) };
+        rc == 0
+    }
+}
+
 /// `thread_local!` that loom sees (a std thread-local would be shared by every loom thread).
 #[cfg(not(loom))]
 #[allow(unused_macros)]

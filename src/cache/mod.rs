@@ -2,3 +2,4 @@
 //! (T1).
 pub mod depot;
 pub mod magazine;
+pub mod thread;

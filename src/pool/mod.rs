@@ -1,25 +1,36 @@
-//! The pool: [`Pool`], [`PoolConfig`], [`Block`], and the out-of-memory ladder.
+//! The pool: [`Pool`], [`PoolConfig`], the tiers' wiring, and the out-of-memory ladder.
 //!
-//! A pool owns one reserved address range of its device, the lock-free buddy [`Arena`]
-//! over it, the [`PageMap`] that maps physical pages under it on demand, and one
-//! [`StreamRetire`] per stream it has seen.
+//! A pool owns one reserved address range of its device, the lock-free buddy [`Arena`] (T3)
+//! over it, the [`PageMap`] that maps physical pages under it on demand, and per stream it
+//! has seen a [`StreamState`]: the stream's depots (T1, one per size class) and its retire
+//! queue (T2). Each thread that uses a stream gets a thread cache (T0, [`local`]).
 //!
-//! **Alloc** on stream S: a block freed on S and still in S's open batch is reused at once
-//! (stream order protects it); else the arena serves the request *without mapping*; else the
-//! ladder runs: poll every stream's retire queue → close every open batch (one event each) and
-//! poll → map more pages under `max_reserved` → wait on the oldest pending events, one by one,
-//! polling after each → unmap wholly free pages and map again → only then
-//! [`Error::OutOfMemory`] with the figures.
+//! **Alloc** of a cached class on stream S: the thread's cache for S (no atomic RMW, no
+//! lock, no driver call), else a full magazine from S's depot, else the ladder:
+//! the arena without mapping → poll every stream's retire queue → flush this thread's cache
+//! and every depot into retire, close every open batch (one event each) and poll → map more
+//! pages under `max_reserved` → wait on the oldest pending events, one at a time → take the
+//! blocks of other threads' idle caches → unmap wholly free pages and map again → only
+//! then [`Error::OutOfMemory`] with the figures. Requests above the largest cached class
+//! skip T0 and T1: they reuse a block freed on the same stream if one fits, else the ladder.
 //!
-//! **Free** (dropping a [`Block`]) pushes the block onto its stream's open batch — never a
-//! device call on its own — and closes the batch (records one event) once it holds
-//! `batch_blocks` blocks or `batch_bytes` bytes. A block that was used on other streams
-//! (`record_stream`) is queued behind one event per stream it was used on. Frees inside host
-//! functions, where no device call is allowed, leave the batch open, and a later slow path
-//! closes it.
+//! **Free** (dropping a [`Block`]) pushes the block into the dropping thread's cache for
+//! the block's stream; a full cache trades a magazine with the depot; past the depot's bound
+//! the blocks go to the stream's open retire batch, which is closed (one event) once it holds
+//! `batch_blocks` blocks or `batch_bytes` bytes. A block used on other streams
+//! (`record_stream`) retires behind one event per stream it was used on. Frees inside host
+//! functions never call the device: a batch that cannot be closed there stays open, and a
+//! later slow path closes it.
 //!
-//! No lock anywhere: the arena and page map are CAS walks, the retire queues are a Treiber
-//! stack and a Michael–Scott queue, and the stream registry is published with arc-swap.
+//! No lock anywhere: the arena and page map are CAS walks, depots and retire queues are
+//! Treiber stacks and a Michael–Scott queue, and the stream and cache registries are
+//! published with arc-swap.
+
+mod block;
+mod local;
+
+pub use block::Block;
+pub use local::StreamCache;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -28,12 +39,16 @@ use std::sync::{Arc, Weak};
 use arc_swap::ArcSwap;
 
 use crate::arena::{Acquire, Arena, PageMap};
+use crate::cache::depot::Depot;
+use crate::cache::thread::{mag_cap, CacheShared};
+use crate::class;
 use crate::device::{Device, Event, Stream, StreamId};
 use crate::error::{Error, Result};
 use crate::reclaim::{Span, StreamRetire};
 use crate::stats::{Counters, Stats};
 use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::epoch;
+use block::NO_CLASS;
 
 /// Device addresses and sizes are multiples of this.
 pub const ALIGN: u64 = 256;
@@ -59,6 +74,15 @@ pub struct PoolConfig {
     /// Before mapping more pages, keep polling freshly closed batches for up to this long
     /// when they hold enough bytes to serve the request.
     pub poll_before_map: std::time::Duration,
+    /// The largest size class kept in the caches (rounded to a class); larger requests go
+    /// to the arena directly and come back through retire.
+    pub largest_cached_class: u64,
+    /// Most bytes one thread's cache for one stream may hold.
+    pub thread_cache_bytes: u64,
+    /// A magazine holds at most this many bytes (and at most 32 blocks, at least one).
+    pub magazine_bytes: u64,
+    /// Most full magazines a stream's depot keeps per size class.
+    pub depot_magazines: usize,
     /// Test-only: treat every retire event as complete, so memory freed on one stream can be
     /// handed to another before the GPU is done with it. Exists so that stress tests can show
     /// they catch a broken guard; never set it otherwise.
@@ -70,12 +94,16 @@ impl Default for PoolConfig {
     fn default() -> Self {
         PoolConfig {
             max_reserved: None,
-            release_threshold: u64::MAX,
+            release_threshold: 64 << 20,
             address_range: None,
             batch_blocks: 64,
             batch_bytes: 64 << 20,
             reuse_slack_div: 8,
             poll_before_map: std::time::Duration::from_micros(200),
+            largest_cached_class: class::DEFAULT_LARGEST_CLASS,
+            thread_cache_bytes: 256 << 20,
+            magazine_bytes: 8 << 20,
+            depot_magazines: 8,
             break_event_guard_for_tests: false,
         }
     }
@@ -85,29 +113,57 @@ impl Default for PoolConfig {
 #[derive(Clone)]
 pub struct Pool {
     inner: Arc<PoolInner>,
+    /// Shared by the clones of this handle: its drop is the last handle's.
+    _handle: Arc<LastHandle>,
+}
+
+/// Dropped with the last [`Pool`] handle: gives the memory back, and keeps the pool's state
+/// alive for ever if blocks are still out (a block holds a plain pointer to it).
+struct LastHandle(Arc<PoolInner>);
+
+impl Drop for LastHandle {
+    fn drop(&mut self) {
+        local::flush(&self.0);
+        let _ = self.0.trim();
+        let live = self.0.stats().live_blocks;
+        if live != 0 {
+            // Late frees must find the pool: its bookkeeping (not its device memory, which
+            // trim gave back as far as it could) lives on.
+            std::mem::forget(Arc::clone(&self.0));
+        }
+    }
 }
 
 /// What the pool knows of one stream.
-struct StreamState {
-    stream: Stream,
+pub(crate) struct StreamState {
+    pub(crate) stream: Stream,
+    /// T1: one depot per cached size class.
+    pub(crate) depots: Box<[Depot]>,
     retire: StreamRetire<Event>,
     /// Set once the stream is destroyed: frees then queue behind its final event.
-    destroyed: AtomicBool,
+    pub(crate) destroyed: AtomicBool,
 }
 
-struct PoolInner {
+pub(crate) struct PoolInner {
     device: Arc<dyn Device>,
-    config: PoolConfig,
+    pub(crate) config: PoolConfig,
     max_reserved: u64,
     base: u64,
     range: u64,
     arena: Arena,
     pages: PageMap,
+    /// Size classes kept in caches, and each class's magazine capacity.
+    pub(crate) classes: usize,
+    pub(crate) caps: Box<[u8]>,
     /// Mapped bytes plus bytes being mapped: the budget checked against `max_reserved`.
     map_budget: AtomicU64,
     streams: ArcSwap<HashMap<StreamId, Arc<StreamState>>>,
-    /// Destroyed streams whose batches have not all retired yet.
+    /// Destroyed streams. Kept: a late free of one of their blocks finds its state here.
     orphans: ArcSwap<Vec<Arc<StreamState>>>,
+    /// Every live thread cache, with its stream: for stats, trim and the ladder.
+    caches: ArcSwap<Vec<(Arc<CacheShared>, Arc<StreamState>)>>,
+    /// Counters of caches that are gone, folded in so stats stay whole.
+    folded: FoldedCounters,
     /// Blocks used on several streams, each behind one event per stream.
     cross: StreamRetire<Vec<Event>>,
     /// `record_stream` blocks dropped where no device call is allowed, waiting for a slow
@@ -116,74 +172,12 @@ struct PoolInner {
     counters: Counters,
 }
 
-/// A block of device memory from a [`Pool`]. Dropping it frees it in stream order on its
-/// stream. `Send`, not `Sync`: one thread at a time holds it; it may be dropped on any thread.
-pub struct Block {
-    addr: u64,
-    len: usize,
-    size: u64,
-    stream: Option<Arc<StreamState>>,
-    pool: Option<Arc<PoolInner>>,
-    /// Other streams the block was used on (`record_stream`).
-    used_on: std::cell::RefCell<Vec<Stream>>,
-}
-
-impl Block {
-    /// The device address (aligned to 256 bytes; 0 for an empty block).
-    pub fn device_ptr(&self) -> u64 {
-        self.addr
-    }
-
-    /// Bytes asked for.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether the block is empty (a zero-byte request).
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Bytes usable at [`Block::device_ptr`] (at least [`Block::len`]).
-    pub fn capacity(&self) -> usize {
-        self.size as usize
-    }
-
-    /// The stream the block was allocated on, and will be freed on.
-    pub fn stream(&self) -> Option<&Stream> {
-        self.stream.as_ref().map(|s| &s.stream)
-    }
-
-    /// Say that the block was also used on `other`: its free then waits for the work
-    /// enqueued on `other` before the free, as well as its own stream's.
-    pub fn record_stream(&self, other: &Stream) {
-        if self.stream().is_none_or(|s| s == other) {
-            return;
-        }
-        let mut used = self.used_on.borrow_mut();
-        if !used.iter().any(|s| s == other) {
-            used.push(other.clone());
-        }
-    }
-}
-
-impl fmt::Debug for Block {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Block")
-            .field("ptr", &format_args!("{:#x}", self.addr))
-            .field("len", &self.len)
-            .field("capacity", &self.size)
-            .field("stream", &self.stream().map(Stream::id))
-            .finish()
-    }
-}
-
-impl Drop for Block {
-    fn drop(&mut self) {
-        let (Some(pool), Some(st)) = (self.pool.take(), self.stream.take()) else { return };
-        let used_on = std::mem::take(self.used_on.get_mut());
-        pool.free(Span { addr: self.addr, size: self.size }, &st, used_on);
-    }
+#[derive(Default)]
+struct FoldedCounters {
+    misses: AtomicU64,
+    t0_hits: AtomicU64,
+    t1_hits: AtomicU64,
+    frees: AtomicU64,
 }
 
 impl Pool {
@@ -199,6 +193,9 @@ impl Pool {
         if g == 0 || !g.is_power_of_two() || g < ALIGN {
             return Err(Error::InvalidArgument(format!("device granularity {g} is not a power of two ≥ 256")));
         }
+        let classes = class::classes_up_to(config.largest_cached_class);
+        let caps: Box<[u8]> =
+            (0..classes).map(|c| mag_cap(class::size_of_class(c), config.magazine_bytes) as u8).collect();
         if config.batch_blocks == 0 {
             return Err(Error::InvalidArgument("batch_blocks must be at least 1".into()));
         }
@@ -224,23 +221,26 @@ impl Pool {
                 return Err(e);
             }
         };
-        Ok(Pool {
-            inner: Arc::new(PoolInner {
-                device,
-                config,
-                max_reserved,
-                base,
-                range,
-                arena,
-                pages,
-                map_budget: AtomicU64::new(0),
-                streams: ArcSwap::from_pointee(HashMap::new()),
-                orphans: ArcSwap::from_pointee(Vec::new()),
-                cross: StreamRetire::new(),
-                deferred_cross: crate::reclaim::Stack::new(),
-                counters: Counters::default(),
-            }),
-        })
+        let inner = Arc::new(PoolInner {
+            device,
+            config,
+            max_reserved,
+            base,
+            range,
+            arena,
+            pages,
+            classes,
+            caps,
+            map_budget: AtomicU64::new(0),
+            streams: ArcSwap::from_pointee(HashMap::new()),
+            orphans: ArcSwap::from_pointee(Vec::new()),
+            caches: ArcSwap::from_pointee(Vec::new()),
+            folded: FoldedCounters::default(),
+            cross: StreamRetire::new(),
+            deferred_cross: crate::reclaim::Stack::new(),
+            counters: Counters::default(),
+        });
+        Ok(Pool { _handle: Arc::new(LastHandle(Arc::clone(&inner))), inner })
     }
 
     /// The device the pool allocates from.
@@ -254,9 +254,32 @@ impl Pool {
     }
 
     /// Allocate `bytes` for use on `stream`: work enqueued on `stream` after this call may
-    /// use the block. A zero-byte request gives an empty block.
+    /// use the block. A zero-byte request gives an empty block. Served by the calling
+    /// thread's cache for `stream`, found through a thread-local.
+    #[inline]
     pub fn alloc(&self, bytes: usize, stream: &Stream) -> Result<Block> {
-        self.inner.alloc(bytes, stream)
+        match local::alloc(&self.inner, stream, bytes) {
+            Some(r) => r,
+            // This thread's thread-locals are gone (it is exiting): no cache.
+            None => {
+                let st = self.inner.stream_state(stream)?;
+                self.inner.alloc_uncached(bytes, &st, None)
+            }
+        }
+    }
+
+    /// The calling thread's cache for `stream`: the fastest way to allocate for a worker
+    /// that owns its stream. Not `Send`.
+    pub fn stream_cache(&self, stream: &Stream) -> Result<StreamCache> {
+        let st = self.inner.stream_state(stream)?;
+        local::stream_cache(&self.inner, &st)
+            .ok_or(Error::NotPermitted("the calling thread is exiting: its thread-locals are gone"))
+    }
+
+    /// Give this thread's caches of this pool back (their blocks go to the stream depots,
+    /// or retire past the depots' bounds). A thread that exits does this by itself.
+    pub fn flush_thread_cache(&self) {
+        local::flush(&self.inner);
     }
 
     /// A snapshot of the figures (exact when the pool is quiet).
@@ -302,40 +325,91 @@ enum Mapping {
 }
 
 impl PoolInner {
-    fn alloc(self: &Arc<Self>, bytes: usize, stream: &Stream) -> Result<Block> {
-        let st = self.stream_state(stream)?;
+    /// A request above the largest cached class (or made where the thread has no cache):
+    /// exact size from the arena, or a block of the same stream's open batch that fits.
+    pub(crate) fn alloc_uncached(
+        self: &Arc<Self>,
+        bytes: usize,
+        st: &Arc<StreamState>,
+        own: Option<&local::ThreadCache>,
+    ) -> Result<Block> {
+        let id = st.stream.id();
         if bytes == 0 {
-            return Ok(Block { addr: 0, len: 0, size: 0, stream: Some(st), pool: None, used_on: Default::default() });
+            return Ok(Block::empty(id));
         }
         let limit = self.max_reserved.min(self.range);
         let size = (bytes as u64).checked_next_multiple_of(ALIGN).filter(|&s| s <= limit);
         let Some(size) = size else { return Err(Error::TooLarge { requested: bytes as u64, limit }) };
-        if self.device.is_capturing(stream)? {
-            // Memory handed out during capture would be used whenever the graph replays; it
-            // is refused rather than silently shared with work outside the graph.
-            return Err(Error::StreamCapturing);
-        }
-        let slack = self.config.reuse_slack_div;
-        let max_fit = size + size.checked_div(slack).unwrap_or(0);
-        let addr = match st.retire.reuse(|s| s.size >= size && s.size <= max_fit) {
+        self.refuse_capture(st)?;
+        let max_fit = size + size.checked_div(self.config.reuse_slack_div).unwrap_or(0);
+        let (addr, size) = match st.retire.reuse(|s| s.size >= size && s.size <= max_fit) {
             Some(span) => {
                 Counters::bump(&self.counters.same_stream_reuses, 1);
                 // The reused block may be larger than asked: keep its size, so the arena gets
                 // back exactly what it gave.
-                return Ok(self.block(span.addr, bytes, span.size, st));
+                (span.addr, span.size)
             }
-            None => self.alloc_arena(size, bytes)?,
+            None => (self.alloc_arena(size, bytes, st, own)?, size),
         };
-        Ok(self.block(addr, bytes, size, st))
+        self.counters.on_alloc(size);
+        Ok(Block {
+            addr,
+            len: bytes,
+            size,
+            class: NO_CLASS,
+            stream: id,
+            pool: Some(std::ptr::NonNull::from(&**self)),
+            used_on: std::cell::Cell::new(None),
+        })
     }
 
-    fn block(self: &Arc<Self>, addr: u64, len: usize, size: u64, st: Arc<StreamState>) -> Block {
-        self.counters.on_alloc(size);
-        Block { addr, len, size, stream: Some(st), pool: Some(Arc::clone(self)), used_on: Default::default() }
+    /// A cached class missed T0 and T1: the arena (through the ladder) serves a block of the
+    /// class's size; it is counted in the thread cache's counters by the caller's block.
+    pub(crate) fn alloc_miss(
+        &self,
+        size: u64,
+        bytes: usize,
+        st: &Arc<StreamState>,
+        own: Option<&local::ThreadCache>,
+    ) -> Result<u64> {
+        if size > self.max_reserved.min(self.range) {
+            return Err(Error::TooLarge { requested: bytes as u64, limit: self.max_reserved.min(self.range) });
+        }
+        self.refuse_capture(st)?;
+        let addr = self.alloc_arena(size, bytes, st, own)?;
+        if let Some(tc) = own {
+            // Counted as the cache's allocation (the hit path counts its own).
+            let c = &tc.shared.counters;
+            crate::cache::thread::bump(&c.misses, 1);
+        } else {
+            self.counters.on_alloc(size);
+        }
+        self.sample_peak();
+        Ok(addr)
+    }
+
+    /// Memory handed out during capture would be used whenever the graph replays; it is
+    /// refused rather than silently shared with work outside the graph.
+    fn refuse_capture(&self, st: &StreamState) -> Result<()> {
+        if self.device.is_capturing(&st.stream)? {
+            return Err(Error::StreamCapturing);
+        }
+        Ok(())
+    }
+
+    fn sample_peak(&self) {
+        let now = self.allocated_now();
+        self.counters.peak_allocated.fetch_max(now, Ordering::AcqRel);
     }
 
     /// The ladder. Every rung that frees memory is followed by another try of the arena.
-    fn alloc_arena(&self, size: u64, requested: usize) -> Result<u64> {
+    fn alloc_arena(
+        &self,
+        size: u64,
+        requested: usize,
+        st: &StreamState,
+        own: Option<&local::ThreadCache>,
+    ) -> Result<u64> {
         if let Some(a) = self.try_arena(size, Mapping::Forbidden)? {
             return Ok(a);
         }
@@ -344,6 +418,17 @@ impl PoolInner {
             if let Some(a) = self.try_arena(size, Mapping::Forbidden)? {
                 return Ok(a);
             }
+        }
+        // Before mapping, cached blocks of other classes are worth more to this request in
+        // the arena than in a cache: this thread's cache and the depots give back about
+        // twice the request, largest classes first (the ones caches hit least). Not all of
+        // it: a cache emptied on every such miss would never warm up.
+        let _ = st;
+        Counters::bump(&self.counters.ladder_flushes, 1);
+        let target = size.saturating_mul(2).max(self.config.magazine_bytes);
+        let moved = own.map_or(0, |tc| tc.flush_some(target));
+        if moved < target {
+            self.flush_depots(target - moved);
         }
         self.close_all();
         // Batches just closed on an idle stream complete within microseconds: polling them
@@ -374,6 +459,25 @@ impl PoolInner {
             self.wait_oldest()
         } {
             Counters::bump(&self.counters.ladder_waits, 1);
+            self.poll_all();
+            if let Some(a) = self.try_arena(size, Mapping::Allowed)? {
+                return Ok(a);
+            }
+        }
+        // Other threads' idle caches give their blocks back (the handshake needs no help
+        // from them), then their batches retire like any other.
+        if self.steal_idle_caches() > 0 {
+            Counters::bump(&self.counters.ladder_steals, 1);
+            while {
+                self.close_all();
+                self.wait_oldest()
+            } {
+                Counters::bump(&self.counters.ladder_waits, 1);
+                self.poll_all();
+                if let Some(a) = self.try_arena(size, Mapping::Allowed)? {
+                    return Ok(a);
+                }
+            }
             self.poll_all();
             if let Some(a) = self.try_arena(size, Mapping::Allowed)? {
                 return Ok(a);
@@ -460,7 +564,7 @@ impl PoolInner {
         self.arena.free(span.addr, span.size);
     }
 
-    fn stream_state(self: &Arc<Self>, stream: &Stream) -> Result<Arc<StreamState>> {
+    pub(crate) fn stream_state(self: &Arc<Self>, stream: &Stream) -> Result<Arc<StreamState>> {
         if let Some(st) = self.streams.load().get(&stream.id()) {
             return Ok(Arc::clone(st));
         }
@@ -469,6 +573,7 @@ impl PoolInner {
         }
         let fresh = Arc::new(StreamState {
             stream: stream.clone(),
+            depots: (0..self.classes).map(|_| Depot::new(self.config.depot_magazines)).collect(),
             retire: StreamRetire::new(),
             destroyed: AtomicBool::new(false),
         });
@@ -498,8 +603,16 @@ impl PoolInner {
     /// move its state out of the registry; its live blocks retire behind that event.
     fn on_stream_destroyed(&self, id: StreamId, stream: &Stream) {
         let Some(st) = self.streams.load().get(&id).cloned() else { return };
-        st.destroyed.store(true, Ordering::Release);
         let guard = epoch::pin();
+        for (class, d) in st.depots.iter().enumerate() {
+            let size = class::size_of_class(class);
+            for mut m in d.drain(&guard) {
+                m.drain(|addr| {
+                    st.retire.free(Span { addr, size });
+                });
+            }
+        }
+        st.destroyed.store(true, Ordering::Release);
         let _ = self.close_one(&st, &guard);
         if !st.retire.has_pending(&guard) {
             // Nothing closed (the batch was empty): still put a final event behind all the
@@ -523,12 +636,25 @@ impl PoolInner {
         });
     }
 
-    fn free(&self, span: Span, st: &Arc<StreamState>, used_on: Vec<Stream>) {
-        self.counters.on_free(span.size);
+    /// A block that bypasses the caches on its way back: above the largest cached class,
+    /// used on several streams, or dropped where this thread has no cache any more.
+    pub(crate) fn free_slow(&self, addr: u64, size: u64, stream: StreamId, used_on: Vec<Stream>) {
+        self.counters.on_free(size);
+        let span = Span { addr, size };
+        let Some(st) = self.state_by_id(stream) else {
+            // Every stream the pool handed a block on has a state for the pool's life.
+            debug_assert!(false, "a block of an unknown stream");
+            return;
+        };
         if !used_on.is_empty() {
-            self.free_cross(span, st, used_on);
+            self.free_cross(span, &st, used_on);
             return;
         }
+        self.retire_span(&st, span);
+    }
+
+    /// A free block leaves the caches for its stream's retire queue.
+    pub(crate) fn retire_span(&self, st: &StreamState, span: Span) {
         if st.destroyed.load(Ordering::Acquire) {
             // No more work can reach a destroyed stream: the block waits only for the final
             // event queued ahead of it.
@@ -541,6 +667,82 @@ impl PoolInner {
             // closes it.
             let _ = self.close_one(st, &epoch::pin());
         }
+    }
+
+    /// The state of a stream the pool has seen, destroyed or not.
+    pub(crate) fn state_by_id(&self, id: StreamId) -> Option<Arc<StreamState>> {
+        if let Some(st) = self.streams.load().get(&id) {
+            return Some(Arc::clone(st));
+        }
+        self.orphans.load().iter().find(|st| st.stream.id() == id).cloned()
+    }
+
+    /// A new thread cache for `st` joins the registry.
+    pub(crate) fn register_cache(&self, st: &Arc<StreamState>) -> Arc<CacheShared> {
+        let shared = Arc::new(CacheShared::new(self.classes));
+        self.caches.rcu(|v| {
+            let mut v = Vec::clone(v);
+            v.push((Arc::clone(&shared), Arc::clone(st)));
+            v
+        });
+        shared
+    }
+
+    /// A thread cache is gone: fold its counters in and drop it from the registry.
+    pub(crate) fn unregister_cache(&self, shared: &Arc<CacheShared>) {
+        let c = &shared.counters;
+        let f = &self.folded;
+        for (from, to) in
+            [(&c.misses, &f.misses), (&c.t0_hits, &f.t0_hits), (&c.t1_hits, &f.t1_hits), (&c.frees, &f.frees)]
+        {
+            to.fetch_add(from.load(Ordering::Acquire), Ordering::AcqRel);
+        }
+        shared.retire();
+        self.caches.rcu(|v| v.iter().filter(|(c, _)| !Arc::ptr_eq(c, shared)).cloned().collect::<Vec<_>>());
+    }
+
+    /// Depots give their blocks to their streams' retire queues, largest classes first,
+    /// until at least `target` bytes have moved (`u64::MAX`: all). Returns the bytes moved.
+    fn flush_depots(&self, target: u64) -> u64 {
+        let guard = epoch::pin();
+        let mut moved = 0;
+        for st in self.states() {
+            for (class, d) in st.depots.iter().enumerate().rev() {
+                if moved >= target {
+                    return moved;
+                }
+                if d.full_count() == 0 {
+                    continue;
+                }
+                let size = class::size_of_class(class);
+                while moved < target {
+                    let Some(mut m) = d.take_full(&guard) else { break };
+                    moved += m.len() as u64 * size;
+                    m.drain(|addr| self.retire_span(&st, Span { addr, size }));
+                    d.put_empty(m, &guard);
+                }
+            }
+        }
+        moved
+    }
+
+    /// Take the blocks of every thread cache whose owner is not inside an operation (the
+    /// calling thread's own included: it is not inside one). Returns the blocks taken.
+    fn steal_idle_caches(&self) -> u64 {
+        let guard = epoch::pin();
+        let mut taken = 0;
+        for (shared, st) in self.caches.load().iter() {
+            let mut out = Vec::new();
+            shared.try_steal(|c| {
+                // SAFETY: try_steal holds the handshake while this runs.
+                unsafe { c.drain(&st.depots, false, |cl, a| out.push((cl, a)), class::size_of_class, &guard) }
+            });
+            taken += out.len() as u64;
+            for (cl, a) in out {
+                self.retire_span(st, Span { addr: a, size: class::size_of_class(cl) });
+            }
+        }
+        taken
     }
 
     fn free_cross(&self, span: Span, st: &Arc<StreamState>, mut used_on: Vec<Stream>) {
@@ -682,6 +884,9 @@ impl PoolInner {
     }
 
     fn trim(&self) -> Result<()> {
+        local::flush(self);
+        self.steal_idle_caches();
+        self.flush_depots(u64::MAX);
         self.drain_deferred();
         self.close_all();
         loop {
@@ -699,31 +904,102 @@ impl PoolInner {
         self.states().iter().map(|st| st.retire.pending_bytes()).sum::<u64>() + self.cross.pending_bytes()
     }
 
+    /// Bytes in live blocks now. Every byte the arena has handed out is live, cached or
+    /// retiring (invariant 3), so live = handed out − cached − retiring: no counter on the
+    /// hot path. A snapshot, exact when the pool is quiet; `check()` verifies the tiers'
+    /// counters against their contents.
+    fn allocated_now(&self) -> u64 {
+        let (cached, retiring) = self.tier_bytes();
+        let held = self.range - self.arena.free_bytes();
+        held.saturating_sub(cached.0 + cached.1 + cached.2).saturating_sub(retiring)
+    }
+
+    /// ((thread caches, depots, open batches), retiring) bytes, from the tiers' counters.
+    fn tier_bytes(&self) -> ((u64, u64, u64), u64) {
+        let (mut open, mut retiring, mut depot) = (0, self.cross.pending_bytes(), 0);
+        for st in self.states() {
+            open += st.retire.open_bytes();
+            retiring += st.retire.pending_bytes();
+            for (class, d) in st.depots.iter().enumerate() {
+                depot += d.blocks() as u64 * class::size_of_class(class);
+            }
+        }
+        let thread: u64 = self.caches.load().iter().map(|(c, _)| Counters::get(&c.counters.cached_bytes)).sum();
+        ((thread, depot, open), retiring)
+    }
+
+    /// (largest free stretch of mapped memory, free mapped bytes).
+    fn free_mapped(&self) -> (u64, u64) {
+        let page = self.pages.page_size();
+        let mut mapped = Vec::new();
+        self.pages.for_each_mapped(|p, _| mapped.push(p));
+        mapped.sort_unstable();
+        let mut free = Vec::new();
+        self.arena.for_each_free(|a, l| free.push((a, l)));
+        free.sort_unstable();
+        // Walk the free pieces clipped to mapped pages, joining stretches that touch.
+        let (mut largest, mut total, mut run_end, mut run_len) = (0u64, 0u64, u64::MAX, 0u64);
+        for (a, l) in free {
+            let end = a + l;
+            let first = mapped.partition_point(|&p| p + page <= a);
+            for &p in mapped[first..].iter().take_while(|&&p| p < end) {
+                let (lo, hi) = (a.max(p), end.min(p + page));
+                total += hi - lo;
+                run_len = if lo == run_end { run_len + (hi - lo) } else { hi - lo };
+                run_end = hi;
+                largest = largest.max(run_len);
+            }
+        }
+        (largest, total)
+    }
+
     fn stats(&self) -> Stats {
         let c = &self.counters;
-        let (mut cached, mut retiring) = (0, self.cross.pending_bytes());
-        for st in self.states() {
-            cached += st.retire.open_bytes();
-            retiring += st.retire.pending_bytes();
+        let f = &self.folded;
+        let ((thread_cached, depot, open), retiring) = self.tier_bytes();
+        // Allocations through caches: misses here, hits added below.
+        let (mut allocs, mut t0, mut t1, mut frees) =
+            (Counters::get(&f.misses), Counters::get(&f.t0_hits), Counters::get(&f.t1_hits), Counters::get(&f.frees));
+        let caches = self.caches.load();
+        for (cs, _) in caches.iter() {
+            let k = &cs.counters;
+            allocs += Counters::get(&k.misses);
+            t0 += Counters::get(&k.t0_hits);
+            t1 += Counters::get(&k.t1_hits);
+            frees += Counters::get(&k.frees);
         }
+        allocs += t0 + t1;
+        let allocated = self.allocated_now();
+        let peak_allocated = c.peak_allocated.fetch_max(allocated, Ordering::AcqRel).max(allocated);
+        let (largest_free_mapped, free_mapped_bytes) = self.free_mapped();
         Stats {
-            allocated_bytes: Counters::get(&c.allocated),
+            allocated_bytes: allocated,
             reserved_bytes: self.pages.mapped_bytes(),
-            peak_allocated_bytes: Counters::get(&c.peak_allocated),
+            peak_allocated_bytes: peak_allocated,
             peak_reserved_bytes: self.pages.peak_mapped_bytes(),
-            cached_bytes: cached,
+            cached_bytes: thread_cached + depot + open,
+            thread_cached_bytes: thread_cached,
+            depot_bytes: depot,
+            open_batch_bytes: open,
             retiring_bytes: retiring,
-            live_blocks: Counters::get(&c.live_blocks),
-            allocs: Counters::get(&c.allocs),
+            live_blocks: Counters::get(&c.live_blocks).wrapping_add(allocs).wrapping_sub(frees),
+            allocs: Counters::get(&c.allocs) + allocs,
+            t0_hits: t0,
+            t1_hits: t1,
+            thread_caches: caches.len() as u64,
             same_stream_reuses: Counters::get(&c.same_stream_reuses),
             events_recorded: Counters::get(&c.events_recorded),
             batches_retired: Counters::get(&c.batches_retired),
+            ladder_flushes: Counters::get(&c.ladder_flushes),
             ladder_maps: Counters::get(&c.ladder_maps),
             ladder_waits: Counters::get(&c.ladder_waits),
+            ladder_steals: Counters::get(&c.ladder_steals),
             ooms: Counters::get(&c.ooms),
             unmapped_bytes: Counters::get(&c.unmapped),
             largest_free_block: self.arena.largest_free(),
             arena_free_bytes: self.arena.free_bytes(),
+            free_mapped_bytes,
+            largest_free_mapped,
         }
     }
 
@@ -739,19 +1015,83 @@ impl PoolInner {
         if free_total != self.arena.free_bytes() {
             return broken(format!("arena free pieces sum to {free_total}, counter says {}", self.arena.free_bytes()));
         }
-        for w in free.windows(2) {
+        // Every block in a tier, walked, against the tiers' counters: the counters are what
+        // `allocated_bytes` is derived from.
+        let mut tiers: Vec<(u64, u64)> = Vec::new();
+        let guard = epoch::pin();
+        let mut thread_walked = 0;
+        for (cs, _) in self.caches.load().iter() {
+            let mut mine = 0;
+            let walked = cs.try_steal(|c| {
+                // SAFETY: try_steal holds the handshake while this runs.
+                unsafe {
+                    c.for_each_block(|class, a| {
+                        let s = class::size_of_class(class);
+                        mine += s;
+                        tiers.push((a, s));
+                    })
+                }
+            });
+            if !walked {
+                // A thread is inside its cache: the pool is not quiet, and a walk cannot
+                // be exact. Check only what does not move.
+                return Ok(());
+            }
+            thread_walked += mine;
+        }
+        let mut depot_walked = 0;
+        let mut queued_walked = 0;
+        for s in self.states() {
+            for (class, d) in s.depots.iter().enumerate() {
+                let size = class::size_of_class(class);
+                d.for_each_block(
+                    |a| {
+                        depot_walked += size;
+                        tiers.push((a, size));
+                    },
+                    &guard,
+                );
+            }
+            s.retire.for_each_span(
+                |sp| {
+                    queued_walked += sp.size;
+                    tiers.push((sp.addr, sp.size));
+                },
+                &guard,
+            );
+        }
+        self.cross.for_each_span(
+            |sp| {
+                queued_walked += sp.size;
+                tiers.push((sp.addr, sp.size));
+            },
+            &guard,
+        );
+        drop(guard);
+        if thread_walked != st.thread_cached_bytes || depot_walked != st.depot_bytes {
+            return broken(format!(
+                "thread caches hold {thread_walked} B (counters: {}), depots {depot_walked} B (counters: {})",
+                st.thread_cached_bytes, st.depot_bytes
+            ));
+        }
+        if queued_walked != st.open_batch_bytes + st.retiring_bytes {
+            return broken(format!(
+                "retire queues hold {queued_walked} B, counters say {} open + {} retiring",
+                st.open_batch_bytes, st.retiring_bytes
+            ));
+        }
+        // No block is in two places: tiers and free pieces never overlap.
+        let mut all: Vec<(u64, u64)> = tiers.iter().chain(free.iter()).copied().collect();
+        all.sort_unstable();
+        for w in all.windows(2) {
             if w[0].0 + w[0].1 > w[1].0 {
-                return broken(format!("free pieces {:#x}+{} and {:#x} overlap", w[0].0, w[0].1, w[1].0));
+                return broken(format!(
+                    "{:#x}+{} and {:#x}+{} overlap (tiers or free)",
+                    w[0].0, w[0].1, w[1].0, w[1].1
+                ));
             }
         }
         let held = self.range - free_total;
-        let in_tiers = st.allocated_bytes + st.cached_bytes + st.retiring_bytes;
-        if held != in_tiers {
-            return broken(format!(
-                "arena holds {held} B out, but live {} + cached {} + retiring {} = {in_tiers}",
-                st.allocated_bytes, st.cached_bytes, st.retiring_bytes
-            ));
-        }
         let free_on = |p: u64| -> u64 {
             let end = p + page;
             let i = free.partition_point(|f| f.0 + f.1 <= p);
@@ -776,6 +1116,7 @@ impl PoolInner {
             return broken(format!("{} B held on unmapped pages", held - held_on_mapped));
         }
         let free_mapped = mapped - held_on_mapped;
+        let in_tiers = st.allocated_bytes + st.cached_bytes + st.retiring_bytes;
         if st.reserved_bytes != in_tiers + free_mapped {
             return broken(format!(
                 "reserved {} != allocated {} + cached {} + retiring {} + free-but-mapped {free_mapped}",

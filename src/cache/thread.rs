@@ -1,0 +1,564 @@
+//! T0: the per-thread cache of one (pool, stream), and the handshake that lets another
+//! thread take its blocks while it is idle.
+//!
+//! A thread cache holds, per size class, two magazines (Bonwick's "loaded" and "previous").
+//! An allocation pops from `loaded` (or swaps in `previous`); a free pushes. Only when both
+//! are empty (or both full) does the cache trade a whole magazine with the stream's depot
+//! (T1). So the hit path touches memory of this cache alone: no atomic read-modify-write, no
+//! lock, no heap allocation, no driver call.
+//!
+//! **The idle-cache handshake.** The pool must be able to take the blocks of a cache whose
+//! thread sits idle (for `trim()` and the out-of-memory ladder) without that thread's help.
+//! It is an asymmetric Dekker handshake on two flags:
+//!
+//! ```text
+//! owner (every operation)              thief
+//!   in_use = true                        steal = true
+//!   light_fence()                        heavy_fence()
+//!   if steal { in_use = false; wait }    if in_use { steal = false; skip: owner is busy }
+//!   ... use the magazines ...            ... take the magazines ...
+//!   in_use = false (Release)             steal = false (Release)
+//! ```
+//!
+//! With both fences SeqCst, at least one side sees the other's flag, so the two never use
+//! the magazines at once. In production the owner's fence is only a compiler fence and the
+//! thief's is `membarrier(2)`, which forces a full barrier on every running thread of the
+//! process: the owner pays nothing on its hot path and the rare thief pays a system call
+//! (see [`crate::sync::light_fence`]). Under loom both are `fence(SeqCst)`, which is what
+//! the model checks.
+//!
+//! Counters are written only by whoever holds the magazines (the owner inside an operation,
+//! or a thief that won the handshake) with plain relaxed load + store, and read by
+//! `stats()` at any time: a snapshot, exact when the pool is quiet.
+
+use crate::cache::depot::Depot;
+use crate::cache::magazine::{Magazine, MAG_CAP};
+use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use crate::sync::epoch::Guard;
+use crate::sync::{heavy_fence, light_fence, UnsafeCell};
+
+/// Per-cache counters. Single writer at a time (see the module docs).
+#[derive(Default, Debug)]
+pub struct CacheCounters {
+    /// Allocations this cache passed on to the arena (misses of both T0 and T1).
+    pub misses: AtomicU64,
+    /// Allocations served from this cache's own magazines.
+    pub t0_hits: AtomicU64,
+    /// Allocations served by a magazine from the stream's depot.
+    pub t1_hits: AtomicU64,
+    /// Frees taken by this cache.
+    pub frees: AtomicU64,
+    /// Bytes in this cache's magazines now.
+    pub cached_bytes: AtomicU64,
+}
+
+/// Add to a single-writer counter without a read-modify-write instruction.
+#[inline]
+pub fn bump(c: &AtomicU64, by: u64) {
+    c.store(c.load(Ordering::Relaxed).wrapping_add(by), Ordering::Relaxed);
+}
+
+/// Subtract from a single-writer counter.
+#[inline]
+pub fn drop_by(c: &AtomicU64, by: u64) {
+    c.store(c.load(Ordering::Relaxed).wrapping_sub(by), Ordering::Relaxed);
+}
+
+struct ClassMags {
+    loaded: Box<Magazine>,
+    prev: Box<Magazine>,
+}
+
+/// A size class as a cache sees it: its index, its block size and its magazine capacity.
+#[derive(Debug, Clone, Copy)]
+pub struct Slot {
+    /// The class index.
+    pub class: usize,
+    /// Bytes per block.
+    pub size: u64,
+    /// Blocks per magazine.
+    pub cap: usize,
+}
+
+/// What a miss or an overflow asks of the caller, once it is outside the cache.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Spill {
+    /// Nothing: the operation completed inside the cache.
+    None,
+    /// These blocks could not be kept (the depot is full, or the cache is over its byte
+    /// bound): retire them on the stream.
+    Retire(Vec<u64>),
+}
+
+/// The part of a thread cache that other threads may reach: the magazines (behind the
+/// handshake), the flags and the counters.
+pub struct CacheShared {
+    in_use: AtomicBool,
+    steal: AtomicBool,
+    mags: UnsafeCell<Vec<Option<ClassMags>>>,
+    /// Whether the owning thread has let go of the cache (flushed or exited).
+    retired: AtomicBool,
+    /// Counters (see [`CacheCounters`]).
+    pub counters: CacheCounters,
+}
+
+// SAFETY: the magazines inside the UnsafeCell are only touched by the one party that holds
+// the handshake (the owner between `enter` and `exit`, or a thief that won `try_steal`), and
+// the flags and counters are atomics.
+unsafe impl Sync for CacheShared {}
+// SAFETY: as above; the contents are plain data.
+unsafe impl Send for CacheShared {}
+
+/// Magazine capacity of a class of `size` bytes: magazines of large classes hold fewer
+/// blocks, so a magazine never holds much more than `mag_bytes` (but always at least one).
+#[inline]
+pub fn mag_cap(size: u64, mag_bytes: u64) -> usize {
+    (mag_bytes / size.max(1)).clamp(1, MAG_CAP as u64) as usize
+}
+
+impl CacheShared {
+    /// A cache for `classes` size classes, with no magazines yet.
+    pub fn new(classes: usize) -> CacheShared {
+        let mut v = Vec::with_capacity(classes);
+        v.resize_with(classes, || None);
+        CacheShared {
+            in_use: AtomicBool::new(false),
+            steal: AtomicBool::new(false),
+            mags: UnsafeCell::new(v),
+            retired: AtomicBool::new(false),
+            counters: CacheCounters::default(),
+        }
+    }
+
+    /// Enter an operation as the owner. False while a thief holds the magazines: the caller
+    /// waits ([`CacheShared::wait_for_thief`]) and tries again.
+    #[inline]
+    pub fn enter(&self) -> bool {
+        self.in_use.store(true, Ordering::Relaxed);
+        light_fence();
+        // Acquire: if a thief just finished, its writes to the magazines are visible.
+        if self.steal.load(Ordering::Acquire) {
+            self.in_use.store(false, Ordering::Release);
+            return false;
+        }
+        true
+    }
+
+    /// Leave an operation: Release publishes the magazines to a later thief.
+    #[inline]
+    pub fn exit(&self) {
+        self.in_use.store(false, Ordering::Release);
+    }
+
+    /// Wait until a thief has let go (it holds the magazines only while moving them).
+    pub fn wait_for_thief(&self) {
+        while self.steal.load(Ordering::Acquire) {
+            crate::sync::yield_now();
+        }
+    }
+
+    /// Enter, waiting out any thief.
+    #[inline]
+    pub fn enter_wait(&self) {
+        while !self.enter() {
+            self.wait_for_thief();
+        }
+    }
+
+    /// # Safety
+    /// The caller holds the handshake (between `enter` and `exit`, or inside a won steal).
+    #[inline]
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn mags(&self) -> &mut Vec<Option<ClassMags>> {
+        // SAFETY: the caller holds the handshake, so no other party touches the magazines;
+        // the reference does not outlive the caller's hold (it is used within one operation).
+        self.mags.with_mut(|p| unsafe { &mut *p })
+    }
+
+    /// The hit path: a block of class `class` from the loaded magazine. Everything else
+    /// (the previous magazine, the depot) is [`CacheShared::pop_slow`], kept out of line so
+    /// this stays a handful of instructions.
+    ///
+    /// # Safety
+    /// The caller has entered (and not yet exited).
+    #[inline(always)]
+    pub unsafe fn pop(&self, class: usize, size: u64) -> Option<u64> {
+        // SAFETY: the caller holds the handshake.
+        let mags = unsafe { self.mags() };
+        let a = mags.get_mut(class)?.as_mut()?.loaded.pop()?;
+        self.count_hit(size);
+        Some(a)
+    }
+
+    /// After [`CacheShared::pop`] missed: swap in the previous magazine, or trade the empty
+    /// loaded one for a full one from `depot`.
+    ///
+    /// # Safety
+    /// The caller has entered (and not yet exited), and `class` is below the class count.
+    #[cold]
+    #[inline(never)]
+    pub unsafe fn pop_slow(
+        &self,
+        class: usize,
+        size: u64,
+        depot: &Depot,
+        guard: impl FnOnce() -> Guard,
+    ) -> Option<u64> {
+        // SAFETY: the caller holds the handshake.
+        let mags = unsafe { self.mags() };
+        let c = &self.counters;
+        if let Some(cm) = mags.get_mut(class)?.as_mut() {
+            if !cm.prev.is_empty() {
+                std::mem::swap(&mut cm.loaded, &mut cm.prev);
+                let a = cm.loaded.pop();
+                self.count_hit(size);
+                return a;
+            }
+        }
+        // Both empty: the loaded one goes to the depot's empties and a full one is loaded.
+        let g = guard();
+        let full = depot.take_full(&g)?;
+        let cm = mags[class].get_or_insert_with(|| ClassMags { loaded: Magazine::boxed(), prev: Magazine::boxed() });
+        let empty = std::mem::replace(&mut cm.loaded, full);
+        depot.put_empty(empty, &g);
+        // The magazine's blocks moved from the depot into this cache.
+        bump(&c.cached_bytes, cm.loaded.len() as u64 * size);
+        let a = cm.loaded.pop();
+        bump(&c.t1_hits, 1);
+        drop_by(&c.cached_bytes, size);
+        a
+    }
+
+    #[inline(always)]
+    fn count_hit(&self, size: u64) {
+        let c = &self.counters;
+        bump(&c.t0_hits, 1);
+        drop_by(&c.cached_bytes, size);
+    }
+
+    /// After a miss in `class` and its depot: take a block of one of the next `within`
+    /// larger classes from this cache, if it holds one. The block is used whole (its
+    /// capacity is its own class's size): memory the cache already holds serves the request
+    /// instead of new memory from the arena. Returns the address and the class taken.
+    ///
+    /// # Safety
+    /// The caller holds the handshake.
+    pub unsafe fn pop_larger(
+        &self,
+        class: usize,
+        within: usize,
+        class_size: impl Fn(usize) -> u64,
+    ) -> Option<(u64, usize)> {
+        // SAFETY: the caller holds the handshake.
+        let mags = unsafe { self.mags() };
+        let end = mags.len().min(class + 1 + within);
+        for (c, slot) in mags.iter_mut().enumerate().take(end).skip(class + 1) {
+            let Some(cm) = slot.as_mut() else { continue };
+            let a = match cm.loaded.pop() {
+                Some(a) => a,
+                None => match cm.prev.pop() {
+                    Some(a) => a,
+                    None => continue,
+                },
+            };
+            self.count_hit(class_size(c));
+            return Some((a, c));
+        }
+        None
+    }
+
+    /// The free path: put a block of `slot`'s class in the loaded magazine. False when
+    /// that is not possible here (the magazine is full, the cache is at `limit` bytes, the
+    /// class has no magazines yet): the caller then calls [`CacheShared::push_slow`].
+    ///
+    /// # Safety
+    /// The caller has entered (and not yet exited).
+    #[inline(always)]
+    pub unsafe fn push(&self, slot: Slot, addr: u64, limit: u64) -> bool {
+        let c = &self.counters;
+        let cached = c.cached_bytes.load(Ordering::Relaxed);
+        if cached + slot.size > limit {
+            return false;
+        }
+        // SAFETY: the caller holds the handshake.
+        let mags = unsafe { self.mags() };
+        let Some(Some(cm)) = mags.get_mut(slot.class) else { return false };
+        if !cm.loaded.push(addr, slot.cap) {
+            return false;
+        }
+        c.cached_bytes.store(cached + slot.size, Ordering::Relaxed);
+        bump(&c.frees, 1);
+        true
+    }
+
+    /// After [`CacheShared::push`] refused: swap in the previous magazine if it is empty,
+    /// else give the previous (full) one to `depot` and load an empty one. Returns the blocks
+    /// that could not be kept (past `limit`, or past the depot's bound), which the caller
+    /// retires once outside.
+    ///
+    /// # Safety
+    /// The caller has entered (and not yet exited).
+    #[cold]
+    #[inline(never)]
+    pub unsafe fn push_slow(
+        &self,
+        slot: Slot,
+        addr: u64,
+        limit: u64,
+        depot: &Depot,
+        guard: impl FnOnce() -> Guard,
+    ) -> Spill {
+        let Slot { class, size, cap } = slot;
+        let c = &self.counters;
+        bump(&c.frees, 1);
+        if c.cached_bytes.load(Ordering::Relaxed) + size > limit {
+            return Spill::Retire(vec![addr]);
+        }
+        // SAFETY: the caller holds the handshake.
+        let mags = unsafe { self.mags() };
+        let Some(entry) = mags.get_mut(class) else { return Spill::Retire(vec![addr]) };
+        let cm = entry.get_or_insert_with(|| ClassMags { loaded: Magazine::boxed(), prev: Magazine::boxed() });
+        if cm.loaded.push(addr, cap) {
+            bump(&c.cached_bytes, size);
+            return Spill::None;
+        }
+        if cm.prev.is_empty() {
+            std::mem::swap(&mut cm.loaded, &mut cm.prev);
+            cm.loaded.push(addr, cap);
+            bump(&c.cached_bytes, size);
+            return Spill::None;
+        }
+        // Both full: the previous magazine goes to the depot (or, past its bound, to
+        // retire), the loaded one becomes previous, and an empty one is loaded.
+        let g = guard();
+        let empty = depot.take_empty(&g).unwrap_or_else(Magazine::boxed);
+        let full = std::mem::replace(&mut cm.prev, std::mem::replace(&mut cm.loaded, empty));
+        drop_by(&c.cached_bytes, full.len() as u64 * size);
+        if let Err(mut full) = depot.put_full(full, &g) {
+            let mut out = Vec::with_capacity(full.len() + 1);
+            full.drain(|a| out.push(a));
+            depot.put_empty(full, &g);
+            out.push(addr);
+            return Spill::Retire(out);
+        }
+        cm.loaded.push(addr, cap);
+        bump(&c.cached_bytes, size);
+        Spill::None
+    }
+
+    /// Move every cached block out: full magazines to `depots[class]` when `to_depots` and
+    /// it has room, every other block to `retire(class, addr)`. The caller holds the
+    /// handshake (as owner or as a thief that won).
+    ///
+    /// # Safety
+    /// The caller holds the handshake.
+    pub unsafe fn drain(
+        &self,
+        depots: &[Depot],
+        to_depots: bool,
+        mut retire: impl FnMut(usize, u64),
+        class_size: impl Fn(usize) -> u64,
+        guard: &Guard,
+    ) {
+        // SAFETY: the caller holds the handshake.
+        let mags = unsafe { self.mags() };
+        for (class, slot) in mags.iter_mut().enumerate() {
+            let Some(cm) = slot.take() else { continue };
+            for m in [cm.loaded, cm.prev] {
+                if m.is_empty() {
+                    continue;
+                }
+                let bytes = m.len() as u64 * class_size(class);
+                drop_by(&self.counters.cached_bytes, bytes);
+                let m = match depots.get(class) {
+                    Some(d) if to_depots => match d.put_full(m, guard) {
+                        Ok(()) => continue,
+                        Err(m) => m,
+                    },
+                    _ => m,
+                };
+                let mut m = m;
+                m.drain(|a| retire(class, a));
+            }
+        }
+    }
+
+    /// Move whole magazines out, largest classes first, until at least `target` bytes have
+    /// left (or the cache is empty); each block goes to `retire(class, addr)`. Returns the
+    /// bytes moved. Large blocks are the ones a cache hits least and the arena wants most.
+    ///
+    /// # Safety
+    /// The caller holds the handshake.
+    pub unsafe fn drain_some(
+        &self,
+        target: u64,
+        mut retire: impl FnMut(usize, u64),
+        class_size: impl Fn(usize) -> u64,
+    ) -> u64 {
+        // SAFETY: the caller holds the handshake.
+        let mags = unsafe { self.mags() };
+        let mut moved = 0;
+        for (class, slot) in mags.iter_mut().enumerate().rev() {
+            if moved >= target {
+                break;
+            }
+            let Some(cm) = slot.as_mut() else { continue };
+            let size = class_size(class);
+            for m in [&mut cm.prev, &mut cm.loaded] {
+                if moved >= target {
+                    break;
+                }
+                let bytes = m.len() as u64 * size;
+                m.drain(|a| retire(class, a));
+                moved += bytes;
+                drop_by(&self.counters.cached_bytes, bytes);
+            }
+        }
+        moved
+    }
+
+    /// As a thief: take the handshake if the owner is not inside an operation. On success
+    /// run `f` with the magazines held, then let go; returns whether `f` ran.
+    pub fn try_steal(&self, f: impl FnOnce(&Self)) -> bool {
+        if self.steal.swap(true, Ordering::AcqRel) {
+            // Another thief is at it.
+            return false;
+        }
+        if !heavy_fence() {
+            self.steal.store(false, Ordering::Release);
+            return false;
+        }
+        // Acquire: pairs with the owner's Release in `exit`, so its last writes are visible.
+        if self.in_use.load(Ordering::Acquire) {
+            self.steal.store(false, Ordering::Release);
+            return false;
+        }
+        f(self);
+        self.steal.store(false, Ordering::Release);
+        true
+    }
+
+    /// Mark the cache let go by its owner (after its last flush).
+    pub fn retire(&self) {
+        self.retired.store(true, Ordering::Release);
+    }
+
+    /// Whether the owner has let go of the cache.
+    pub fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Acquire)
+    }
+
+    /// Visit every cached block (for checks on a quiet pool).
+    ///
+    /// # Safety
+    /// The caller holds the handshake, or the pool is quiet (no thread uses the cache).
+    pub unsafe fn for_each_block(&self, mut f: impl FnMut(usize, u64)) {
+        // SAFETY: per the contract.
+        let mags = unsafe { self.mags() };
+        for (class, slot) in mags.iter().enumerate() {
+            if let Some(cm) = slot {
+                cm.loaded.blocks().iter().chain(cm.prev.blocks()).for_each(|&a| f(class, a));
+            }
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::sync::epoch;
+
+    const SIZE: u64 = 256;
+
+    fn pin() -> Guard {
+        epoch::pin()
+    }
+
+    /// The fast path, then the slow one, as a thread cache runs them.
+    unsafe fn push(c: &CacheShared, slot: Slot, addr: u64, limit: u64, d: &Depot) -> Spill {
+        // SAFETY: the caller has entered.
+        if unsafe { c.push(slot, addr, limit) } {
+            return Spill::None;
+        }
+        // SAFETY: as above.
+        unsafe { c.push_slow(slot, addr, limit, d, pin) }
+    }
+
+    unsafe fn pop(c: &CacheShared, class: usize, size: u64, d: &Depot) -> Option<u64> {
+        // SAFETY: the caller has entered.
+        unsafe { c.pop(class, size).or_else(|| c.pop_slow(class, size, d, pin)) }
+    }
+
+    #[test]
+    fn a_freed_block_is_the_next_one_allocated() {
+        let c = CacheShared::new(4);
+        let d = Depot::new(4);
+        assert!(c.enter());
+        // SAFETY: entered.
+        unsafe {
+            assert_eq!(push(&c, Slot { class: 1, size: SIZE, cap: 8 }, 0x1000, u64::MAX, &d), Spill::None);
+            assert_eq!(pop(&c, 1, SIZE, &d), Some(0x1000));
+            assert_eq!(pop(&c, 1, SIZE, &d), None, "empty, and the depot too");
+        }
+        c.exit();
+        assert_eq!(c.counters.t0_hits.load(Ordering::Relaxed), 1);
+        assert_eq!(c.counters.cached_bytes.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn overflow_goes_to_the_depot_whole_and_comes_back_whole() {
+        let c = CacheShared::new(1);
+        let d = Depot::new(4);
+        assert!(c.enter());
+        // SAFETY: entered.
+        unsafe {
+            for a in 0..5u64 {
+                assert_eq!(push(&c, Slot { class: 0, size: SIZE, cap: 2 }, a * 256, u64::MAX, &d), Spill::None);
+            }
+        }
+        c.exit();
+        assert_eq!(d.full_count(), 1, "one full magazine of 2 went to the depot");
+        assert_eq!(c.counters.cached_bytes.load(Ordering::Relaxed), 3 * SIZE);
+        let other = CacheShared::new(1);
+        assert!(other.enter());
+        // SAFETY: entered.
+        unsafe {
+            let got: Vec<_> = (0..2).map(|_| pop(&other, 0, SIZE, &d).unwrap()).collect();
+            assert_eq!(got.len(), 2);
+            assert_eq!(other.counters.t1_hits.load(Ordering::Relaxed), 1);
+        }
+        other.exit();
+    }
+
+    #[test]
+    fn a_cache_over_its_byte_bound_hands_frees_back() {
+        let c = CacheShared::new(1);
+        let d = Depot::new(1);
+        assert!(c.enter());
+        // SAFETY: entered.
+        unsafe {
+            assert_eq!(push(&c, Slot { class: 0, size: SIZE, cap: 8 }, 0, SIZE, &d), Spill::None);
+            assert_eq!(push(&c, Slot { class: 0, size: SIZE, cap: 8 }, 256, SIZE, &d), Spill::Retire(vec![256]));
+        }
+        c.exit();
+    }
+
+    #[test]
+    fn a_thief_takes_an_idle_cache_but_not_a_busy_one() {
+        let c = CacheShared::new(1);
+        let d = Depot::new(1);
+        assert!(c.enter());
+        // SAFETY: entered.
+        unsafe { push(&c, Slot { class: 0, size: SIZE, cap: 8 }, 0x100, u64::MAX, &d) };
+        assert!(!c.try_steal(|_| {}), "the owner is inside an operation");
+        c.exit();
+        let mut taken = vec![];
+        let g = pin();
+        // SAFETY: try_steal holds the handshake while the closure runs.
+        assert!(c.try_steal(|c| unsafe { c.drain(&[], false, |_, a| taken.push(a), |_| SIZE, &g) }));
+        assert_eq!(taken, vec![0x100]);
+        assert_eq!(c.counters.cached_bytes.load(Ordering::Relaxed), 0);
+        assert!(c.enter(), "the owner gets back in once the thief is done");
+        c.exit();
+    }
+}

@@ -1,0 +1,108 @@
+//! [`Block`]: a piece of device memory handed out by a pool.
+//!
+//! A block is plain data — address, sizes, class, stream id and a raw pointer to the pool's
+//! state — so that handing one out and taking it back touches no shared counter: no `Arc`
+//! clone per block. The pool's state outlives every block (see [`super::Pool`]'s drop).
+
+use std::cell::Cell;
+use std::fmt;
+use std::ptr::NonNull;
+
+use super::{local, PoolInner};
+use crate::device::{Stream, StreamId};
+
+/// The class of a block that no cache holds (larger than the largest cached class).
+pub(crate) const NO_CLASS: u32 = u32::MAX;
+
+/// A block of device memory from a [`super::Pool`]. Dropping it frees it in stream order on
+/// its stream. `Send`, not `Sync`: one thread holds it at a time; any thread may drop it.
+pub struct Block {
+    pub(crate) addr: u64,
+    pub(crate) len: usize,
+    pub(crate) size: u64,
+    pub(crate) class: u32,
+    pub(crate) stream: StreamId,
+    pub(crate) pool: Option<NonNull<PoolInner>>,
+    /// Other streams the block was used on (`record_stream`); allocated only when used, and
+    /// boxed so that the common block carries one null word, not an empty `Vec`'s three.
+    #[allow(clippy::box_collection)]
+    pub(crate) used_on: Cell<Option<Box<Vec<Stream>>>>,
+}
+
+// SAFETY: the pool pointer names a `PoolInner`, which is `Sync` and outlives every block;
+// the rest is plain data or `Send` (`Stream`).
+unsafe impl Send for Block {}
+
+impl Block {
+    pub(crate) fn empty(stream: StreamId) -> Block {
+        Block { addr: 0, len: 0, size: 0, class: NO_CLASS, stream, pool: None, used_on: Cell::new(None) }
+    }
+
+    /// The device address (aligned to 256 bytes; 0 for an empty block).
+    #[inline]
+    pub fn device_ptr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Bytes asked for.
+    #[inline]
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the block is empty (a zero-byte request).
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes usable at [`Block::device_ptr`] (at least [`Block::len`]: the size class).
+    #[inline]
+    pub fn capacity(&self) -> usize {
+        self.size as usize
+    }
+
+    /// The id of the stream the block was allocated on, and will be freed on.
+    #[inline]
+    pub fn stream_id(&self) -> StreamId {
+        self.stream
+    }
+
+    /// Say that the block was also used on `other`: its free then waits for the work
+    /// enqueued on `other` before the free, as well as its own stream's.
+    pub fn record_stream(&self, other: &Stream) {
+        if self.pool.is_none() || other.id() == self.stream {
+            return;
+        }
+        let mut used = self.used_on.take().unwrap_or_default();
+        if !used.iter().any(|s| s == other) {
+            used.push(other.clone());
+        }
+        self.used_on.set(Some(used));
+    }
+}
+
+impl fmt::Debug for Block {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Block")
+            .field("ptr", &format_args!("{:#x}", self.addr))
+            .field("len", &self.len)
+            .field("capacity", &self.size)
+            .field("stream", &self.stream)
+            .finish()
+    }
+}
+
+impl Drop for Block {
+    #[inline]
+    fn drop(&mut self) {
+        let Some(pool) = self.pool else { return };
+        let used_on = self.used_on.get_mut().take();
+        if used_on.is_none() && self.class != NO_CLASS && local::free(pool, self) {
+            return;
+        }
+        // SAFETY: the pool's state outlives every block.
+        let pool = unsafe { pool.as_ref() };
+        pool.free_slow(self.addr, self.size, self.stream, used_on.map(|b| *b).unwrap_or_default());
+    }
+}

@@ -1,0 +1,373 @@
+//! The calling thread's caches: one [`ThreadCache`] per (pool, stream) this thread has used,
+//! found through a thread-local, and [`StreamCache`], the explicit handle to one.
+//!
+//! The thread-local keeps a short list of entries and remembers the last one hit, so
+//! `pool.alloc(bytes, &stream)` and a block's drop find their cache with two compares in the
+//! common case. A thread that exits flushes its caches (its thread-local's destructor); a
+//! block dropped after that (during another thread-local's teardown) takes the pool's slow
+//! path, which pushes it onto its stream's open batch without calling the device.
+
+use std::cell::{Cell, RefCell};
+use std::ptr::NonNull;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use super::block::{Block, NO_CLASS};
+use super::{PoolInner, StreamState};
+use crate::cache::thread::{CacheShared, Slot, Spill};
+use crate::class;
+use crate::device::{Stream, StreamId};
+use crate::error::Result;
+use crate::sync::epoch;
+
+/// On a miss, a block of up to this many classes larger (one doubling: at most twice the
+/// size) that the cache already holds is used instead of new memory.
+const BORROW_CLASSES: usize = 8;
+
+/// One thread's cache for one (pool, stream).
+pub(crate) struct ThreadCache {
+    pub(crate) shared: Arc<CacheShared>,
+    pub(crate) pool: Arc<PoolInner>,
+    pub(crate) stream: Arc<StreamState>,
+}
+
+impl ThreadCache {
+    /// A block from this cache's loaded magazine, its previous one or its stream's depot,
+    /// or None: no device call, no ladder, nothing that could remove a thread-local entry.
+    #[inline(always)]
+    fn try_hit(&self, bytes: usize) -> Option<Block> {
+        let pool = &*self.pool;
+        let class = class::class_of(bytes as u64).filter(|&c| c < pool.classes)?;
+        let size = class::size_of_class(class);
+        self.shared.enter_wait();
+        // SAFETY: entered above.
+        let addr = match unsafe { self.shared.pop(class, size) } {
+            Some(a) => {
+                self.shared.exit();
+                a
+            }
+            None => self.refill(class, size)?,
+        };
+        Some(self.block(addr, bytes, size, class))
+    }
+
+    /// The loaded magazine was empty: the previous one, or the depot. Called entered; exits.
+    #[cold]
+    #[inline(never)]
+    fn refill(&self, class: usize, size: u64) -> Option<u64> {
+        // SAFETY: the caller entered; `class` is below the pool's class count.
+        let hit = unsafe { self.shared.pop_slow(class, size, &self.stream.depots[class], epoch::pin) };
+        self.shared.exit();
+        hit
+    }
+
+    #[inline]
+    pub(crate) fn alloc(&self, bytes: usize) -> Result<Block> {
+        if bytes == 0 {
+            return Ok(Block::empty(self.stream.stream.id()));
+        }
+        if let Some(b) = self.try_hit(bytes) {
+            return Ok(b);
+        }
+        self.alloc_slow(bytes)
+    }
+
+    /// No block in this cache or the depot: a larger class this cache holds, else the arena.
+    #[cold]
+    #[inline(never)]
+    fn alloc_slow(&self, bytes: usize) -> Result<Block> {
+        let pool = &*self.pool;
+        let class = match class::class_of(bytes as u64) {
+            Some(c) if c < pool.classes => c,
+            _ => return self.pool.alloc_uncached(bytes, &self.stream, Some(self)),
+        };
+        let size = class::size_of_class(class);
+        self.shared.enter_wait();
+        // SAFETY: entered above.
+        let larger = unsafe { self.shared.pop_larger(class, BORROW_CLASSES, class::size_of_class) };
+        self.shared.exit();
+        if let Some((a, c)) = larger {
+            return Ok(self.block(a, bytes, class::size_of_class(c), c));
+        }
+        let addr = pool.alloc_miss(size, bytes, &self.stream, Some(self))?;
+        Ok(self.block(addr, bytes, size, class))
+    }
+
+    #[inline(always)]
+    fn block(&self, addr: u64, len: usize, size: u64, class: usize) -> Block {
+        Block {
+            addr,
+            len,
+            size,
+            class: class as u32,
+            stream: self.stream.stream.id(),
+            pool: Some(NonNull::from(&*self.pool)),
+            used_on: Cell::new(None),
+        }
+    }
+
+    #[inline(always)]
+    fn free(&self, class: usize, size: u64, addr: u64) {
+        let pool = &*self.pool;
+        let slot = Slot { class, size, cap: pool.caps[class] as usize };
+        self.shared.enter_wait();
+        // SAFETY: entered above; the class came from a block of this pool.
+        if unsafe { self.shared.push(slot, addr, pool.config.thread_cache_bytes) } {
+            self.shared.exit();
+            return;
+        }
+        self.free_slow(slot, addr);
+    }
+
+    /// The loaded magazine is full (or the class is new here): trade with the depot, and
+    /// retire what cannot be kept. Called entered; exits.
+    #[cold]
+    #[inline(never)]
+    fn free_slow(&self, slot: Slot, addr: u64) {
+        let pool = &*self.pool;
+        let depot = &self.stream.depots[slot.class];
+        // SAFETY: the caller entered.
+        let spill = unsafe { self.shared.push_slow(slot, addr, pool.config.thread_cache_bytes, depot, epoch::pin) };
+        self.shared.exit();
+        if let Spill::Retire(addrs) = spill {
+            for a in addrs {
+                pool.retire_span(&self.stream, crate::reclaim::Span { addr: a, size: slot.size });
+            }
+        }
+    }
+
+    /// Move every block out: to the depots when `to_depots`, else (and past the depots'
+    /// bounds) to the stream's retire queue.
+    pub(crate) fn flush(&self, to_depots: bool) {
+        self.shared.enter_wait();
+        let guard = epoch::pin();
+        let mut out = Vec::new();
+        // SAFETY: entered above.
+        unsafe {
+            self.shared.drain(&self.stream.depots, to_depots, |c, a| out.push((c, a)), class::size_of_class, &guard)
+        };
+        self.shared.exit();
+        for (c, a) in out {
+            self.pool.retire_span(&self.stream, crate::reclaim::Span { addr: a, size: class::size_of_class(c) });
+        }
+    }
+}
+
+impl ThreadCache {
+    /// Move about `target` bytes out to the stream's retire queue, largest classes first.
+    pub(crate) fn flush_some(&self, target: u64) -> u64 {
+        self.shared.enter_wait();
+        let mut out = Vec::new();
+        // SAFETY: entered above.
+        let moved = unsafe { self.shared.drain_some(target, |c, a| out.push((c, a)), class::size_of_class) };
+        self.shared.exit();
+        for (c, a) in out {
+            self.pool.retire_span(&self.stream, crate::reclaim::Span { addr: a, size: class::size_of_class(c) });
+        }
+        moved
+    }
+}
+
+impl Drop for ThreadCache {
+    fn drop(&mut self) {
+        self.flush(true);
+        self.pool.unregister_cache(&self.shared);
+    }
+}
+
+/// A thread's handle to its cache for one stream: the fastest way to allocate for a worker
+/// thread that owns its stream. Not `Send`: it names the calling thread's cache.
+pub struct StreamCache {
+    tc: Rc<ThreadCache>,
+}
+
+impl StreamCache {
+    /// Allocate `bytes` on the cache's stream (see [`super::Pool::alloc`]).
+    #[inline]
+    pub fn alloc(&self, bytes: usize) -> Result<Block> {
+        self.tc.alloc(bytes)
+    }
+
+    /// The stream this cache serves.
+    pub fn stream(&self) -> &Stream {
+        &self.tc.stream.stream
+    }
+}
+
+impl std::fmt::Debug for StreamCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamCache").field("stream", &self.stream().id()).finish()
+    }
+}
+
+struct Entry {
+    pool: *const PoolInner,
+    stream: StreamId,
+    tc: Rc<ThreadCache>,
+}
+
+/// The thread-local: every cache of this thread, and the last one used, kept as three
+/// plain cells so that the common case is two compares and no reference count.
+struct Local {
+    entries: RefCell<Vec<Entry>>,
+    last_pool: Cell<*const PoolInner>,
+    last_stream: Cell<StreamId>,
+    last_tc: Cell<*const ThreadCache>,
+}
+
+impl Default for Local {
+    fn default() -> Self {
+        Local {
+            entries: RefCell::new(Vec::new()),
+            last_pool: Cell::new(std::ptr::null()),
+            last_stream: Cell::new(0),
+            last_tc: Cell::new(std::ptr::null()),
+        }
+    }
+}
+
+impl Local {
+    /// The cache for (`pool`, `stream`), if this thread has one.
+    ///
+    /// The reference is valid while no entry is removed: only [`flush`] and the
+    /// thread-local's destructor remove entries, and nothing reachable from a cache's
+    /// alloc or free calls either (they reset the memo before dropping anything).
+    #[inline]
+    fn find(&self, pool: *const PoolInner, stream: StreamId) -> Option<&ThreadCache> {
+        if self.last_pool.get() == pool && self.last_stream.get() == stream {
+            // SAFETY: the memo names a live entry's cache (see above), kept alive by the
+            // entry's `Rc` for as long as the entry exists.
+            return Some(unsafe { &*self.last_tc.get() });
+        }
+        let entries = self.entries.borrow();
+        let e = entries.iter().find(|e| e.pool == pool && e.stream == stream)?;
+        let tc: *const ThreadCache = Rc::as_ptr(&e.tc);
+        self.remember(pool, stream, tc);
+        // SAFETY: as above: the entry outlives this reference.
+        Some(unsafe { &*tc })
+    }
+
+    fn find_rc(&self, pool: *const PoolInner, stream: StreamId) -> Option<Rc<ThreadCache>> {
+        self.entries.borrow().iter().find(|e| e.pool == pool && e.stream == stream).map(|e| Rc::clone(&e.tc))
+    }
+
+    fn remember(&self, pool: *const PoolInner, stream: StreamId, tc: *const ThreadCache) {
+        self.last_pool.set(pool);
+        self.last_stream.set(stream);
+        self.last_tc.set(tc);
+    }
+
+    fn forget(&self) {
+        self.remember(std::ptr::null(), 0, std::ptr::null());
+    }
+}
+
+impl Drop for Local {
+    fn drop(&mut self) {
+        // Thread exit: every cache of this thread flushes (ThreadCache::drop).
+        self.forget();
+        let entries = std::mem::take(self.entries.get_mut());
+        drop(entries);
+    }
+}
+
+crate::sync::thread_local! {
+    static LOCAL: Local = Local::default();
+}
+
+/// This thread's cache for (`pool`, `stream`), made on first use.
+pub(crate) fn cache_for(pool: &Arc<PoolInner>, stream: &Arc<StreamState>) -> Option<Rc<ThreadCache>> {
+    let p = Arc::as_ptr(pool);
+    let id = stream.stream.id();
+    LOCAL
+        .try_with(|l| {
+            if let Some(tc) = l.find_rc(p, id) {
+                return tc;
+            }
+            let tc = Rc::new(ThreadCache {
+                shared: pool.register_cache(stream),
+                pool: Arc::clone(pool),
+                stream: Arc::clone(stream),
+            });
+            l.entries.borrow_mut().push(Entry { pool: p, stream: id, tc: Rc::clone(&tc) });
+            l.remember(p, id, Rc::as_ptr(&tc));
+            tc
+        })
+        .ok()
+}
+
+/// The calling thread's [`StreamCache`] for `stream`.
+pub(crate) fn stream_cache(pool: &Arc<PoolInner>, stream: &Arc<StreamState>) -> Option<StreamCache> {
+    cache_for(pool, stream).map(|tc| StreamCache { tc })
+}
+
+/// Allocate through the calling thread's cache for `stream` (None if this thread's
+/// thread-locals are gone).
+#[inline]
+pub(crate) fn alloc(pool: &Arc<PoolInner>, stream: &Stream, bytes: usize) -> Option<Result<Block>> {
+    let p = Arc::as_ptr(pool);
+    let hit = LOCAL.try_with(|l| l.find(p, stream.id()).map(|tc| tc.try_hit(bytes))).ok()?;
+    if let Some(Some(block)) = hit {
+        return Some(Ok(block));
+    }
+    let tc = match LOCAL.try_with(|l| l.find_rc(p, stream.id())).ok()? {
+        Some(tc) => tc,
+        None => match pool.stream_state(stream) {
+            Ok(st) => cache_for(pool, &st)?,
+            Err(e) => return Some(Err(e)),
+        },
+    };
+    Some(tc.alloc(bytes))
+}
+
+/// Free `block` into the calling thread's cache for its stream. False if that is not
+/// possible here (thread-locals gone, stream unknown): the caller takes the slow path.
+#[inline]
+pub(crate) fn free(pool: NonNull<PoolInner>, block: &Block) -> bool {
+    debug_assert!(block.class != NO_CLASS);
+    let p = pool.as_ptr() as *const PoolInner;
+    let done = LOCAL.try_with(|l| match l.find(p, block.stream) {
+        Some(tc) => {
+            tc.free(block.class as usize, block.size, block.addr);
+            true
+        }
+        None => false,
+    });
+    match done {
+        Ok(true) => return true,
+        Ok(false) => {}
+        Err(_) => return false,
+    }
+    // SAFETY: the pool's state outlives every block (see `Pool`'s drop), so a strong count
+    // is held by someone: taking one more is sound.
+    let arc = unsafe {
+        Arc::increment_strong_count(p);
+        Arc::from_raw(p)
+    };
+    let Some(st) = arc.state_by_id(block.stream) else { return false };
+    if st.destroyed.load(crate::sync::atomic::Ordering::Acquire) {
+        return false;
+    }
+    match cache_for(&arc, &st) {
+        Some(tc) => {
+            tc.free(block.class as usize, block.size, block.addr);
+            true
+        }
+        None => false,
+    }
+}
+
+/// Drop this thread's caches of `pool` (their blocks go to the depots or retire).
+pub(crate) fn flush(pool: &PoolInner) {
+    let p = pool as *const PoolInner;
+    let _ = LOCAL.try_with(|l| {
+        l.forget();
+        let mine: Vec<Entry> = {
+            let mut entries = l.entries.borrow_mut();
+            let (mine, rest): (Vec<Entry>, Vec<Entry>) = entries.drain(..).partition(|e| e.pool == p);
+            *entries = rest;
+            mine
+        };
+        drop(mine);
+    });
+}
