@@ -23,10 +23,10 @@ pub struct Block {
     pub(crate) class: u32,
     pub(crate) stream: StreamId,
     pub(crate) pool: Option<NonNull<PoolInner>>,
-    /// Other streams the block was used on (`record_stream`); allocated only when used, and
-    /// boxed so that the common block carries one null word, not an empty `Vec`'s three.
-    #[allow(clippy::box_collection)]
-    pub(crate) used_on: Cell<Option<Box<Vec<Stream>>>>,
+    /// Other streams the block was used on (`record_stream`): null until first used, then a
+    /// `Box<Vec<Stream>>` owned by the block. A raw pointer, not an `Option<Box<..>>`, so
+    /// the common block carries one null word and has no drop glue of its own.
+    pub(crate) used_on: Cell<*mut Vec<Stream>>,
 }
 
 // SAFETY: the pool pointer names a `PoolInner`, which is `Sync` and outlives every block;
@@ -35,7 +35,15 @@ unsafe impl Send for Block {}
 
 impl Block {
     pub(crate) fn empty(stream: StreamId) -> Block {
-        Block { addr: 0, len: 0, size: 0, class: NO_CLASS, stream, pool: None, used_on: Cell::new(None) }
+        Block {
+            addr: 0,
+            len: 0,
+            size: 0,
+            class: NO_CLASS,
+            stream,
+            pool: None,
+            used_on: Cell::new(std::ptr::null_mut()),
+        }
     }
 
     /// The device address (aligned to 256 bytes; 0 for an empty block).
@@ -74,11 +82,17 @@ impl Block {
         if self.pool.is_none() || other.id() == self.stream {
             return;
         }
-        let mut used = self.used_on.take().unwrap_or_default();
+        let used = self.used_on.get();
+        if used.is_null() {
+            self.used_on.set(Box::into_raw(Box::new(vec![other.clone()])));
+            return;
+        }
+        // SAFETY: a non-null `used_on` is a `Box<Vec<Stream>>` owned by this block; the block
+        // is not `Sync`, so no other reference to the vector exists during this call.
+        let used = unsafe { &mut *used };
         if !used.iter().any(|s| s == other) {
             used.push(other.clone());
         }
-        self.used_on.set(Some(used));
     }
 }
 
@@ -97,12 +111,19 @@ impl Drop for Block {
     #[inline]
     fn drop(&mut self) {
         let Some(pool) = self.pool else { return };
-        let used_on = self.used_on.get_mut().take();
-        if used_on.is_none() && self.class != NO_CLASS && local::free(pool, self) {
+        let used = self.used_on.get();
+        if self.class != NO_CLASS && used.is_null() && local::free(pool, self) {
             return;
         }
+        let used_on = if used.is_null() {
+            Vec::new()
+        } else {
+            // SAFETY: a non-null `used_on` is a `Box<Vec<Stream>>` owned by this block, taken
+            // back exactly once, here.
+            *unsafe { Box::from_raw(used) }
+        };
         // SAFETY: the pool's state outlives every block.
         let pool = unsafe { pool.as_ref() };
-        pool.free_slow(self.addr, self.size, self.stream, used_on.map(|b| *b).unwrap_or_default());
+        pool.free_slow(self.addr, self.size, self.stream, used_on);
     }
 }

@@ -102,7 +102,7 @@ impl ThreadCache {
             class: class as u32,
             stream: self.stream.stream.id(),
             pool: Some(NonNull::from(&*self.pool)),
-            used_on: Cell::new(None),
+            used_on: Cell::new(std::ptr::null_mut()),
         }
     }
 
@@ -206,55 +206,59 @@ struct Entry {
     tc: Rc<ThreadCache>,
 }
 
-/// The thread-local: every cache of this thread, and the last one used, kept as three
-/// plain cells so that the common case is two compares and no reference count.
+/// Every cache of this thread. Its destructor (thread exit) flushes them.
+#[derive(Default)]
 struct Local {
     entries: RefCell<Vec<Entry>>,
-    last_pool: Cell<*const PoolInner>,
-    last_stream: Cell<StreamId>,
-    last_tc: Cell<*const ThreadCache>,
-}
-
-impl Default for Local {
-    fn default() -> Self {
-        Local {
-            entries: RefCell::new(Vec::new()),
-            last_pool: Cell::new(std::ptr::null()),
-            last_stream: Cell::new(0),
-            last_tc: Cell::new(std::ptr::null()),
-        }
-    }
 }
 
 impl Local {
-    /// The cache for (`pool`, `stream`), if this thread has one.
-    ///
-    /// The reference is valid while no entry is removed: only [`flush`] and the
-    /// thread-local's destructor remove entries, and nothing reachable from a cache's
-    /// alloc or free calls either (they reset the memo before dropping anything).
-    #[inline]
-    fn find(&self, pool: *const PoolInner, stream: StreamId) -> Option<&ThreadCache> {
-        if self.last_pool.get() == pool && self.last_stream.get() == stream {
-            // SAFETY: the memo names a live entry's cache (see above), kept alive by the
-            // entry's `Rc` for as long as the entry exists.
-            return Some(unsafe { &*self.last_tc.get() });
-        }
-        let entries = self.entries.borrow();
-        let e = entries.iter().find(|e| e.pool == pool && e.stream == stream)?;
-        let tc: *const ThreadCache = Rc::as_ptr(&e.tc);
-        self.remember(pool, stream, tc);
-        // SAFETY: as above: the entry outlives this reference.
-        Some(unsafe { &*tc })
-    }
-
     fn find_rc(&self, pool: *const PoolInner, stream: StreamId) -> Option<Rc<ThreadCache>> {
         self.entries.borrow().iter().find(|e| e.pool == pool && e.stream == stream).map(|e| Rc::clone(&e.tc))
     }
+}
+
+impl Drop for Local {
+    fn drop(&mut self) {
+        // Thread exit: every cache of this thread flushes (ThreadCache::drop).
+        let _ = MEMO.try_with(Memo::forget);
+        let entries = std::mem::take(self.entries.get_mut());
+        drop(entries);
+    }
+}
+
+/// The last cache this thread used, as three plain cells in a thread-local without a
+/// destructor: finding it is one thread-local address and two compares, no reference
+/// count, no borrow flag.
+///
+/// It only ever names a cache that an entry of [`Local`] holds, and is cleared before any
+/// entry is removed ([`flush`], [`Local`]'s destructor); nothing reachable from a cache's
+/// alloc or free removes entries. So a reference taken from it is valid for the call.
+struct Memo {
+    pool: Cell<*const PoolInner>,
+    stream: Cell<StreamId>,
+    tc: Cell<*const ThreadCache>,
+}
+
+impl Memo {
+    const fn new() -> Memo {
+        Memo { pool: Cell::new(std::ptr::null()), stream: Cell::new(0), tc: Cell::new(std::ptr::null()) }
+    }
+
+    #[inline(always)]
+    fn find(&self, pool: *const PoolInner, stream: StreamId) -> Option<&ThreadCache> {
+        if self.pool.get() == pool && self.stream.get() == stream {
+            // SAFETY: the memo names a cache held by a live entry (see the type's docs).
+            Some(unsafe { &*self.tc.get() })
+        } else {
+            None
+        }
+    }
 
     fn remember(&self, pool: *const PoolInner, stream: StreamId, tc: *const ThreadCache) {
-        self.last_pool.set(pool);
-        self.last_stream.set(stream);
-        self.last_tc.set(tc);
+        self.pool.set(pool);
+        self.stream.set(stream);
+        self.tc.set(tc);
     }
 
     fn forget(&self) {
@@ -262,24 +266,17 @@ impl Local {
     }
 }
 
-impl Drop for Local {
-    fn drop(&mut self) {
-        // Thread exit: every cache of this thread flushes (ThreadCache::drop).
-        self.forget();
-        let entries = std::mem::take(self.entries.get_mut());
-        drop(entries);
-    }
-}
-
 crate::sync::thread_local! {
     static LOCAL: Local = Local::default();
+    static MEMO: Memo = const { Memo::new() };
 }
 
-/// This thread's cache for (`pool`, `stream`), made on first use.
+/// This thread's cache for (`pool`, `stream`), made on first use; remembered as the last
+/// one used.
 pub(crate) fn cache_for(pool: &Arc<PoolInner>, stream: &Arc<StreamState>) -> Option<Rc<ThreadCache>> {
     let p = Arc::as_ptr(pool);
     let id = stream.stream.id();
-    LOCAL
+    let tc = LOCAL
         .try_with(|l| {
             if let Some(tc) = l.find_rc(p, id) {
                 return tc;
@@ -290,10 +287,11 @@ pub(crate) fn cache_for(pool: &Arc<PoolInner>, stream: &Arc<StreamState>) -> Opt
                 stream: Arc::clone(stream),
             });
             l.entries.borrow_mut().push(Entry { pool: p, stream: id, tc: Rc::clone(&tc) });
-            l.remember(p, id, Rc::as_ptr(&tc));
             tc
         })
-        .ok()
+        .ok()?;
+    MEMO.try_with(|m| m.remember(p, id, Rc::as_ptr(&tc))).ok()?;
+    Some(tc)
 }
 
 /// The calling thread's [`StreamCache`] for `stream`.
@@ -306,12 +304,21 @@ pub(crate) fn stream_cache(pool: &Arc<PoolInner>, stream: &Arc<StreamState>) -> 
 #[inline]
 pub(crate) fn alloc(pool: &Arc<PoolInner>, stream: &Stream, bytes: usize) -> Option<Result<Block>> {
     let p = Arc::as_ptr(pool);
-    let hit = LOCAL.try_with(|l| l.find(p, stream.id()).map(|tc| tc.try_hit(bytes))).ok()?;
-    if let Some(Some(block)) = hit {
+    let hit = MEMO.try_with(|m| m.find(p, stream.id()).and_then(|tc| tc.try_hit(bytes))).ok()?;
+    if let Some(block) = hit {
         return Some(Ok(block));
     }
-    let tc = match LOCAL.try_with(|l| l.find_rc(p, stream.id())).ok()? {
-        Some(tc) => tc,
+    alloc_slow(pool, stream, bytes)
+}
+
+#[cold]
+#[inline(never)]
+fn alloc_slow(pool: &Arc<PoolInner>, stream: &Stream, bytes: usize) -> Option<Result<Block>> {
+    let tc = match LOCAL.try_with(|l| l.find_rc(Arc::as_ptr(pool), stream.id())).ok()? {
+        Some(tc) => {
+            MEMO.try_with(|m| m.remember(Arc::as_ptr(pool), stream.id(), Rc::as_ptr(&tc))).ok()?;
+            tc
+        }
         None => match pool.stream_state(stream) {
             Ok(st) => cache_for(pool, &st)?,
             Err(e) => return Some(Err(e)),
@@ -322,11 +329,10 @@ pub(crate) fn alloc(pool: &Arc<PoolInner>, stream: &Stream, bytes: usize) -> Opt
 
 /// Free `block` into the calling thread's cache for its stream. False if that is not
 /// possible here (thread-locals gone, stream unknown): the caller takes the slow path.
-#[inline]
+#[inline(always)]
 pub(crate) fn free(pool: NonNull<PoolInner>, block: &Block) -> bool {
-    debug_assert!(block.class != NO_CLASS);
     let p = pool.as_ptr() as *const PoolInner;
-    let done = LOCAL.try_with(|l| match l.find(p, block.stream) {
+    let done = MEMO.try_with(|m| match m.find(p, block.stream) {
         Some(tc) => {
             tc.free(block.class as usize, block.size, block.addr);
             true
@@ -334,9 +340,24 @@ pub(crate) fn free(pool: NonNull<PoolInner>, block: &Block) -> bool {
         None => false,
     });
     match done {
-        Ok(true) => return true,
-        Ok(false) => {}
-        Err(_) => return false,
+        Ok(true) => true,
+        _ => free_slow(p, block),
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn free_slow(p: *const PoolInner, block: &Block) -> bool {
+    debug_assert!(block.class != NO_CLASS);
+    if let Ok(Some(tc)) = LOCAL.try_with(|l| l.find_rc(p, block.stream)) {
+        if MEMO.try_with(|m| m.remember(p, block.stream, Rc::as_ptr(&tc))).is_err() {
+            return false;
+        }
+        tc.free(block.class as usize, block.size, block.addr);
+        return true;
+    }
+    if LOCAL.try_with(|_| ()).is_err() {
+        return false;
     }
     // SAFETY: the pool's state outlives every block (see `Pool`'s drop), so a strong count
     // is held by someone: taking one more is sound.
@@ -360,8 +381,8 @@ pub(crate) fn free(pool: NonNull<PoolInner>, block: &Block) -> bool {
 /// Drop this thread's caches of `pool` (their blocks go to the depots or retire).
 pub(crate) fn flush(pool: &PoolInner) {
     let p = pool as *const PoolInner;
+    let _ = MEMO.try_with(Memo::forget);
     let _ = LOCAL.try_with(|l| {
-        l.forget();
         let mine: Vec<Entry> = {
             let mut entries = l.entries.borrow_mut();
             let (mine, rest): (Vec<Entry>, Vec<Entry>) = entries.drain(..).partition(|e| e.pool == p);

@@ -22,6 +22,12 @@
 //! functions never call the device: a batch that cannot be closed there stays open, and a
 //! later slow path closes it.
 //!
+//! **Capture.** A stream being captured into a graph retires nothing, and the slow paths
+//! (a miss, anything that reaches the arena) refuse to allocate on it with
+//! [`Error::StreamCapturing`]. A cache hit asks the driver nothing, so it cannot see a
+//! capture: a program that captures must not allocate on the captured stream through the
+//! caches (or must `flush_thread_cache()` first, so every allocation misses).
+//!
 //! No lock anywhere: the arena and page map are CAS walks, depots and retire queues are
 //! Treiber stacks and a Michael–Scott queue, and the stream and cache registries are
 //! published with arc-swap.
@@ -359,7 +365,7 @@ impl PoolInner {
             class: NO_CLASS,
             stream: id,
             pool: Some(std::ptr::NonNull::from(&**self)),
-            used_on: std::cell::Cell::new(None),
+            used_on: std::cell::Cell::new(std::ptr::null_mut()),
         })
     }
 
