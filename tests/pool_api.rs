@@ -124,3 +124,37 @@ fn pool_stream_and_block_are_send_and_sync_as_promised() {
     fn is_error<E: std::error::Error>() {}
     is_error::<Error>();
 }
+
+#[test]
+fn all_caches_together_stay_under_their_bound() {
+    let dev = SimDevice::new(1 << 30);
+    let cfg = PoolConfig { max_cached_bytes: Some(8 << 20), thread_cache_bytes: 6 << 20, ..PoolConfig::default() };
+    let pool = Pool::new(dev.clone(), cfg).unwrap();
+    let streams: Vec<Stream> = (0..3).map(|_| dev.new_stream().unwrap()).collect();
+    // Every thread holds its cache full at once before anyone looks: three thread caches of
+    // up to 6 MiB each would hold 18 MiB without the pool-wide bound.
+    let all_freed = std::sync::Barrier::new(3);
+    std::thread::scope(|s| {
+        for st in &streams {
+            let (pool, all_freed) = (&pool, &all_freed);
+            s.spawn(move || {
+                // Many blocks of many classes, all freed: far more than the caches may keep.
+                let blocks: Vec<Block> = (0..200).map(|i| pool.alloc(4096 * (1 + i % 50), st).unwrap()).collect();
+                drop(blocks);
+                all_freed.wait();
+                let stats = pool.stats();
+                assert!(
+                    stats.thread_cached_bytes + stats.depot_bytes <= 8 << 20,
+                    "caches hold {} + {} bytes",
+                    stats.thread_cached_bytes,
+                    stats.depot_bytes
+                );
+            });
+        }
+    });
+    let stats = pool.stats();
+    assert!(stats.thread_cached_bytes + stats.depot_bytes <= 8 << 20);
+    pool.check().unwrap();
+    pool.trim().unwrap();
+    assert_eq!(pool.stats().reserved_bytes, 0);
+}

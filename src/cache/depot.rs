@@ -36,9 +36,11 @@
 use std::mem::ManuallyDrop;
 use std::ptr;
 
+use super::budget::Budget;
 use super::magazine::Magazine;
 use crate::sync::atomic::{AtomicUsize, Ordering};
 use crate::sync::epoch::{self, Atomic, Guard, Owned, Shared};
+use crate::sync::Arc;
 use crate::sync::UnsafeCell;
 
 struct Node<T> {
@@ -194,6 +196,9 @@ pub struct Depot {
     empty_count: AtomicUsize,
     blocks: AtomicUsize,
     limit: usize,
+    /// The pool-wide cache budget this depot charges for the magazines it holds, and the
+    /// size of its blocks. None: bounded by `limit` alone.
+    budget: Option<(Arc<Budget>, u64)>,
 }
 
 impl Depot {
@@ -206,6 +211,26 @@ impl Depot {
             empty_count: AtomicUsize::new(0),
             blocks: AtomicUsize::new(0),
             limit,
+            budget: None,
+        }
+    }
+
+    /// A depot that also charges `budget` for every block it holds (`block_size` bytes each),
+    /// refusing magazines past the budget's maximum.
+    pub fn with_budget(limit: usize, budget: Arc<Budget>, block_size: u64) -> Depot {
+        Depot { budget: Some((budget, block_size)), ..Depot::new(limit) }
+    }
+
+    fn charge(&self, blocks: usize) -> bool {
+        match &self.budget {
+            Some((b, size)) => b.try_take(blocks as u64 * size),
+            None => true,
+        }
+    }
+
+    fn refund(&self, blocks: usize) {
+        if let Some((b, size)) = &self.budget {
+            b.give(blocks as u64 * size);
         }
     }
 
@@ -213,6 +238,10 @@ impl Depot {
     /// ones (the caller then retires its blocks).
     pub fn put_full(&self, mag: Box<Magazine>, guard: &Guard) -> Result<(), Box<Magazine>> {
         if !reserve(&self.full_count, self.limit) {
+            return Err(mag);
+        }
+        if !self.charge(mag.len()) {
+            release(&self.full_count, 1);
             return Err(mag);
         }
         // Before the push, so `blocks` never counts less than the stack holds being popped.
@@ -225,6 +254,7 @@ impl Depot {
     pub fn take_full(&self, guard: &Guard) -> Option<Box<Magazine>> {
         let mag = self.full.pop(guard)?;
         self.blocks.fetch_sub(mag.len(), Ordering::Relaxed);
+        self.refund(mag.len());
         release(&self.full_count, 1);
         Some(mag)
     }
@@ -261,6 +291,7 @@ impl Depot {
         let mags = self.full.take_all(guard);
         let n: usize = mags.iter().map(|m| m.len()).sum();
         self.blocks.fetch_sub(n, Ordering::Relaxed);
+        self.refund(n);
         release(&self.full_count, mags.len());
         mags
     }

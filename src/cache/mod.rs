@@ -1,5 +1,6 @@
 //! The cache tiers above the arena: magazines, per-thread caches (T0) and per-stream depots
 //! (T1).
+pub mod budget;
 pub mod depot;
 pub mod magazine;
 pub mod thread;

@@ -50,6 +50,9 @@ pub struct CacheCounters {
     pub frees: AtomicU64,
     /// Bytes in this cache's magazines now.
     pub cached_bytes: AtomicU64,
+    /// Bytes this cache has reserved from the pool's cache budget (at least
+    /// `cached_bytes`); grown and shrunk on slow paths only.
+    pub budget: AtomicU64,
 }
 
 /// Add to a single-writer counter without a read-modify-write instruction.

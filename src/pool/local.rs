@@ -18,11 +18,17 @@ use crate::cache::thread::{CacheShared, Slot, Spill};
 use crate::class;
 use crate::device::{Stream, StreamId};
 use crate::error::Result;
+use crate::sync::atomic::Ordering;
 use crate::sync::epoch;
 
 /// On a miss, a block of up to this many classes larger (one doubling: at most twice the
 /// size) that the cache already holds is used instead of new memory.
 const BORROW_CLASSES: usize = 8;
+
+/// The unit in which thread caches reserve cache budget.
+fn budget_chunk(config: &super::PoolConfig) -> u64 {
+    (config.thread_cache_bytes / 8).clamp(1 << 20, 16 << 20)
+}
 
 /// One thread's cache for one (pool, stream).
 pub(crate) struct ThreadCache {
@@ -55,10 +61,62 @@ impl ThreadCache {
     #[cold]
     #[inline(never)]
     fn refill(&self, class: usize, size: u64) -> Option<u64> {
+        // A magazine from the depot moves its bytes into this cache: reserve for them first.
+        let c = &self.shared.counters;
+        let cap = self.pool.caps[class] as u64;
+        self.grow_budget(c.cached_bytes.load(Ordering::Relaxed) + cap * size);
         // SAFETY: the caller entered; `class` is below the pool's class count.
         let hit = unsafe { self.shared.pop_slow(class, size, &self.stream.depots[class], epoch::pin) };
+        let mut spilled = Vec::new();
+        let over = c.cached_bytes.load(Ordering::Relaxed).saturating_sub(c.budget.load(Ordering::Relaxed));
+        if over > 0 {
+            // The budget could not cover the whole magazine: give the excess back.
+            // SAFETY: still entered.
+            unsafe { self.shared.drain_some(over, |cl, a| spilled.push((cl, a)), class::size_of_class) };
+        }
+        self.shrink_budget();
         self.shared.exit();
+        for (cl, a) in spilled {
+            self.pool.retire_span(&self.stream, crate::reclaim::Span { addr: a, size: class::size_of_class(cl) });
+        }
         hit
+    }
+
+    /// Reserve cache budget so that the cache may hold `want` bytes (up to the per-thread
+    /// bound): in chunks, so the shared counter moves rarely. Returns the reservation now.
+    /// Called entered (the reservation is written only under the handshake).
+    fn grow_budget(&self, want: u64) -> u64 {
+        let c = &self.shared.counters;
+        let limit = self.pool.config.thread_cache_bytes;
+        let have = c.budget.load(Ordering::Relaxed);
+        let want = want.min(limit);
+        if want <= have {
+            return have;
+        }
+        let chunk = budget_chunk(&self.pool.config);
+        let rounded = ((want - have).div_ceil(chunk) * chunk).min(limit - have);
+        let budget = &self.pool.cache_budget;
+        let grant = if budget.try_take(rounded) {
+            rounded
+        } else if budget.try_take(want - have) {
+            want - have
+        } else {
+            0
+        };
+        c.budget.store(have + grant, Ordering::Relaxed);
+        have + grant
+    }
+
+    /// Give back reserved budget well above what the cache holds. Called entered.
+    fn shrink_budget(&self) {
+        let c = &self.shared.counters;
+        let (have, cached) = (c.budget.load(Ordering::Relaxed), c.cached_bytes.load(Ordering::Relaxed));
+        let chunk = budget_chunk(&self.pool.config);
+        if have > cached + 2 * chunk {
+            let keep = cached + chunk;
+            c.budget.store(keep, Ordering::Relaxed);
+            self.pool.cache_budget.give(have - keep);
+        }
     }
 
     #[inline]
@@ -111,8 +169,9 @@ impl ThreadCache {
         let pool = &*self.pool;
         let slot = Slot { class, size, cap: pool.caps[class] as usize };
         self.shared.enter_wait();
+        let budget = self.shared.counters.budget.load(Ordering::Relaxed);
         // SAFETY: entered above; the class came from a block of this pool.
-        if unsafe { self.shared.push(slot, addr, pool.config.thread_cache_bytes) } {
+        if unsafe { self.shared.push(slot, addr, budget) } {
             self.shared.exit();
             return;
         }
@@ -126,8 +185,12 @@ impl ThreadCache {
     fn free_slow(&self, slot: Slot, addr: u64) {
         let pool = &*self.pool;
         let depot = &self.stream.depots[slot.class];
+        let c = &self.shared.counters;
+        let need = c.cached_bytes.load(Ordering::Relaxed) + slot.size;
+        let budget = self.grow_budget(need);
         // SAFETY: the caller entered.
-        let spill = unsafe { self.shared.push_slow(slot, addr, pool.config.thread_cache_bytes, depot, epoch::pin) };
+        let spill = unsafe { self.shared.push_slow(slot, addr, budget, depot, epoch::pin) };
+        self.shrink_budget();
         self.shared.exit();
         if let Spill::Retire(addrs) = spill {
             for a in addrs {
@@ -146,6 +209,7 @@ impl ThreadCache {
         unsafe {
             self.shared.drain(&self.stream.depots, to_depots, |c, a| out.push((c, a)), class::size_of_class, &guard)
         };
+        self.pool.release_budget(&self.shared);
         self.shared.exit();
         for (c, a) in out {
             self.pool.retire_span(&self.stream, crate::reclaim::Span { addr: a, size: class::size_of_class(c) });
@@ -160,6 +224,7 @@ impl ThreadCache {
         let mut out = Vec::new();
         // SAFETY: entered above.
         let moved = unsafe { self.shared.drain_some(target, |c, a| out.push((c, a)), class::size_of_class) };
+        self.shrink_budget();
         self.shared.exit();
         for (c, a) in out {
             self.pool.retire_span(&self.stream, crate::reclaim::Span { addr: a, size: class::size_of_class(c) });

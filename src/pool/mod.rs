@@ -45,6 +45,7 @@ use std::sync::{Arc, Weak};
 use arc_swap::ArcSwap;
 
 use crate::arena::{Acquire, Arena, PageMap};
+use crate::cache::budget::Budget;
 use crate::cache::depot::Depot;
 use crate::cache::thread::{mag_cap, CacheShared};
 use crate::class;
@@ -89,6 +90,9 @@ pub struct PoolConfig {
     pub magazine_bytes: u64,
     /// Most full magazines a stream's depot keeps per size class.
     pub depot_magazines: usize,
+    /// Most bytes all caches of the pool together (thread caches and depots) may hold.
+    /// `None`: half of `max_reserved`.
+    pub max_cached_bytes: Option<u64>,
     /// Test-only: treat every retire event as complete, so memory freed on one stream can be
     /// handed to another before the GPU is done with it. Exists so that stress tests can show
     /// they catch a broken guard; never set it otherwise.
@@ -110,6 +114,7 @@ impl Default for PoolConfig {
             thread_cache_bytes: 256 << 20,
             magazine_bytes: 8 << 20,
             depot_magazines: 8,
+            max_cached_bytes: None,
             break_event_guard_for_tests: false,
         }
     }
@@ -161,6 +166,8 @@ pub(crate) struct PoolInner {
     /// Size classes kept in caches, and each class's magazine capacity.
     pub(crate) classes: usize,
     pub(crate) caps: Box<[u8]>,
+    /// The bound on every cache together.
+    pub(crate) cache_budget: crate::sync::Arc<Budget>,
     /// Mapped bytes plus bytes being mapped: the budget checked against `max_reserved`.
     map_budget: AtomicU64,
     streams: ArcSwap<HashMap<StreamId, Arc<StreamState>>>,
@@ -206,6 +213,7 @@ impl Pool {
             return Err(Error::InvalidArgument("batch_blocks must be at least 1".into()));
         }
         let max_reserved = config.max_reserved.unwrap_or(total / 10 * 8);
+        let config_max_cached = config.max_cached_bytes.unwrap_or(max_reserved / 2);
         let want = config.address_range.unwrap_or(total.saturating_mul(4)).max(max_reserved).max(g);
         let range = want
             .checked_next_power_of_two()
@@ -237,6 +245,7 @@ impl Pool {
             pages,
             classes,
             caps,
+            cache_budget: crate::sync::Arc::new(Budget::new(config_max_cached)),
             map_budget: AtomicU64::new(0),
             streams: ArcSwap::from_pointee(HashMap::new()),
             orphans: ArcSwap::from_pointee(Vec::new()),
@@ -579,7 +588,12 @@ impl PoolInner {
         }
         let fresh = Arc::new(StreamState {
             stream: stream.clone(),
-            depots: (0..self.classes).map(|_| Depot::new(self.config.depot_magazines)).collect(),
+            depots: (0..self.classes)
+                .map(|c| {
+                    let budget = crate::sync::Arc::clone(&self.cache_budget);
+                    Depot::with_budget(self.config.depot_magazines, budget, class::size_of_class(c))
+                })
+                .collect(),
             retire: StreamRetire::new(),
             destroyed: AtomicBool::new(false),
         });
@@ -696,6 +710,9 @@ impl PoolInner {
 
     /// A thread cache is gone: fold its counters in and drop it from the registry.
     pub(crate) fn unregister_cache(&self, shared: &Arc<CacheShared>) {
+        shared.enter_wait();
+        self.release_budget(shared);
+        shared.exit();
         let c = &shared.counters;
         let f = &self.folded;
         for (from, to) in
@@ -705,6 +722,16 @@ impl PoolInner {
         }
         shared.retire();
         self.caches.rcu(|v| v.iter().filter(|(c, _)| !Arc::ptr_eq(c, shared)).cloned().collect::<Vec<_>>());
+    }
+
+    /// A cache let go of all its blocks: its whole reservation goes back. Called by whoever
+    /// holds the cache's handshake.
+    pub(crate) fn release_budget(&self, shared: &CacheShared) {
+        let c = &shared.counters;
+        let have = c.budget.load(Ordering::Relaxed);
+        let keep = c.cached_bytes.load(Ordering::Relaxed).min(have);
+        c.budget.store(keep, Ordering::Relaxed);
+        self.cache_budget.give(have - keep);
     }
 
     /// Depots give their blocks to their streams' retire queues, largest classes first,
@@ -741,7 +768,8 @@ impl PoolInner {
             let mut out = Vec::new();
             shared.try_steal(|c| {
                 // SAFETY: try_steal holds the handshake while this runs.
-                unsafe { c.drain(&st.depots, false, |cl, a| out.push((cl, a)), class::size_of_class, &guard) }
+                unsafe { c.drain(&st.depots, false, |cl, a| out.push((cl, a)), class::size_of_class, &guard) };
+                self.release_budget(c);
             });
             taken += out.len() as u64;
             for (cl, a) in out {
