@@ -28,6 +28,7 @@ pub(crate) mod class;
 pub mod device;
 pub mod error;
 mod pool;
+pub mod replay;
 mod stats;
 
 #[cfg(feature = "cuda")]
