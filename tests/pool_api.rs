@@ -149,6 +149,9 @@ fn all_caches_together_stay_under_their_bound() {
                     stats.thread_cached_bytes,
                     stats.depot_bytes
                 );
+                // Flush here: a scoped thread's thread-local destructors may run after the
+                // scope returns (rust#116179), racing the checks below.
+                pool.flush_thread_cache();
             });
         }
     });
@@ -156,5 +159,31 @@ fn all_caches_together_stay_under_their_bound() {
     assert!(stats.thread_cached_bytes + stats.depot_bytes <= 8 << 20);
     pool.check().unwrap();
     pool.trim().unwrap();
+    assert_eq!(pool.stats().reserved_bytes, 0);
+}
+
+#[test]
+fn flushing_gives_back_even_the_cache_a_stream_cache_holds() {
+    let (_dev, pool, s) = pool(1 << 30);
+    let cache = pool.stream_cache(&s).unwrap();
+    drop((0..8).map(|_| cache.alloc(4096).unwrap()).collect::<Vec<_>>());
+    assert!(pool.stats().thread_cached_bytes > 0);
+    pool.flush_thread_cache();
+    assert_eq!(pool.stats().thread_cached_bytes, 0);
+    drop((0..8).map(|_| cache.alloc(4096).unwrap()).collect::<Vec<_>>());
+    assert_eq!(pool.stats().thread_caches, 1, "still one cache for (this thread, this stream)");
+}
+
+#[test]
+fn a_block_dropped_inside_a_host_function_makes_no_cache_on_the_drivers_thread() {
+    let (dev, pool, s) = pool(1 << 30);
+    let b = pool.alloc(4096, &s).unwrap();
+    let before = pool.stats().thread_caches;
+    dev.enqueue(&s, move || drop(b)).unwrap();
+    dev.synchronize(&s).unwrap();
+    assert_eq!(pool.stats().thread_caches, before, "the stream's worker thread got a cache");
+    assert_eq!(pool.stats().allocated_bytes, 0);
+    pool.trim().unwrap();
+    pool.check().unwrap();
     assert_eq!(pool.stats().reserved_bytes, 0);
 }

@@ -31,7 +31,6 @@
 //!   allocations, and setting access is the dearest step of a map, so a run of pages pays it
 //!   once.
 
-use std::cell::Cell;
 use std::ffi::{c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -43,14 +42,7 @@ use sys::CUresult;
 use super::{in_host_fn_error, Device, DeviceKind, Event, HostFn, MemInfo, Stream};
 use crate::error::{Error, Result};
 
-thread_local! {
-    /// Set while the trampoline runs a host function on this thread.
-    static IN_HOST_FN: Cell<bool> = const { Cell::new(false) };
-}
-
-fn in_host_fn() -> bool {
-    IN_HOST_FN.with(Cell::get)
-}
+use super::{in_host_fn, set_in_host_fn};
 
 /// Every driver symbol this module calls. cudarc's loader
 /// panics on a missing one, so they are all looked up before the first call.
@@ -430,14 +422,14 @@ struct HostFnFlag;
 
 impl HostFnFlag {
     fn set() -> HostFnFlag {
-        IN_HOST_FN.with(|c| c.set(true));
+        set_in_host_fn(true);
         HostFnFlag
     }
 }
 
 impl Drop for HostFnFlag {
     fn drop(&mut self) {
-        IN_HOST_FN.with(|c| c.set(false));
+        set_in_host_fn(false);
     }
 }
 

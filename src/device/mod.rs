@@ -308,6 +308,22 @@ pub fn auto(sim_capacity: u64) -> (Arc<dyn Device>, String) {
     }
 }
 
+std::thread_local! {
+    /// Set while this thread runs a host function launched through a device of this crate.
+    static IN_HOST_FN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the calling thread is running a host function launched through a device of this
+/// crate: no device call may be made there, and the pool keeps its frees off the device.
+pub fn in_host_fn() -> bool {
+    IN_HOST_FN.try_with(std::cell::Cell::get).unwrap_or(false)
+}
+
+/// Mark the calling thread as running (or no longer running) a host function.
+pub(crate) fn set_in_host_fn(running: bool) {
+    let _ = IN_HOST_FN.try_with(|c| c.set(running));
+}
+
 /// The error every device method returns when called from inside a host function.
 pub(crate) fn in_host_fn_error() -> Error {
     Error::NotPermitted("device call from inside a host function running on a stream")

@@ -24,7 +24,6 @@
 //!   synchronize, host functions, copies) fails with [`Error::StreamCapturing`] — stricter
 //!   than CUDA, never more forgiving.
 
-use std::cell::Cell;
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -33,13 +32,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use super::{in_host_fn_error, Device, DeviceKind, Event, HostFn, MemInfo, Stream};
 use crate::error::{Error, Result};
 
-thread_local! {
-    /// Set while a stream worker runs a host function: device calls from there must fail.
-    static IN_HOST_FN: Cell<bool> = const { Cell::new(false) };
-}
-
 fn check_not_in_host_fn() -> Result<()> {
-    if IN_HOST_FN.with(Cell::get) {
+    if super::in_host_fn() {
         Err(in_host_fn_error())
     } else {
         Ok(())
@@ -184,9 +178,9 @@ impl StreamShared {
             };
             match op {
                 Op::Host(f) => {
-                    IN_HOST_FN.with(|c| c.set(true));
+                    super::set_in_host_fn(true);
                     let outcome = catch_unwind(AssertUnwindSafe(f));
-                    IN_HOST_FN.with(|c| c.set(false));
+                    super::set_in_host_fn(false);
                     if outcome.is_err() {
                         if let Some(dev) = device.upgrade() {
                             dev.host_fn_panics.fetch_add(1, Ordering::Relaxed);

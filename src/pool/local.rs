@@ -337,8 +337,12 @@ crate::sync::thread_local! {
 }
 
 /// This thread's cache for (`pool`, `stream`), made on first use; remembered as the last
-/// one used.
+/// one used. None inside a host function: the threads that run them belong to the driver,
+/// and a cache there would never be flushed (its frees take the deferred path instead).
 pub(crate) fn cache_for(pool: &Arc<PoolInner>, stream: &Arc<StreamState>) -> Option<Rc<ThreadCache>> {
+    if crate::device::in_host_fn() {
+        return None;
+    }
     let p = Arc::as_ptr(pool);
     let id = stream.stream.id();
     let tc = LOCAL
@@ -448,10 +452,16 @@ pub(crate) fn flush(pool: &PoolInner) {
     let p = pool as *const PoolInner;
     let _ = MEMO.try_with(Memo::forget);
     let _ = LOCAL.try_with(|l| {
+        // Caches a `StreamCache` still holds stay registered (so the thread keeps one cache
+        // per stream) but give their blocks back like the others.
         let mine: Vec<Entry> = {
             let mut entries = l.entries.borrow_mut();
-            let (mine, rest): (Vec<Entry>, Vec<Entry>) = entries.drain(..).partition(|e| e.pool == p);
+            let (mine, rest): (Vec<Entry>, Vec<Entry>) =
+                entries.drain(..).partition(|e| e.pool == p && Rc::strong_count(&e.tc) == 1);
             *entries = rest;
+            for e in entries.iter().filter(|e| e.pool == p) {
+                e.tc.flush(true);
+            }
             mine
         };
         drop(mine);

@@ -435,31 +435,30 @@ impl PoolInner {
             }
         }
         // Before mapping, cached blocks of other classes are worth more to this request in
-        // the arena than in a cache: this thread's cache and the depots give back about
-        // twice the request, largest classes first (the ones caches hit least). Not all of
-        // it: a cache emptied on every such miss would never warm up.
+        // the arena than in a cache: this thread's cache and the depots give back memory,
+        // largest classes first (the ones caches hit least), in rounds that double — twice
+        // the request, then four, eight times, then everything — each followed by a try of
+        // the arena, so a cache gives back only as much as the request needs: one emptied on
+        // every such miss would never warm up.
         let _ = st;
         Counters::bump(&self.counters.ladder_flushes, 1);
-        let target = size.saturating_mul(2).max(self.config.magazine_bytes);
-        let moved = own.map_or(0, |tc| tc.flush_some(target));
-        if moved < target {
-            self.flush_depots(target - moved);
-        }
-        self.close_all();
-        // Batches just closed on an idle stream complete within microseconds: polling them
-        // for a bounded time costs less than mapping a page (~40 µs on an H200) and keeps the
-        // memory figure down. A busy stream's batches are left for the wait rung.
-        let deadline = std::time::Instant::now() + self.config.poll_before_map;
-        loop {
-            if self.poll_all() > 0 {
-                if let Some(a) = self.try_arena(size, Mapping::Forbidden)? {
-                    return Ok(a);
-                }
+        let mut target = size.saturating_mul(2).max(self.config.magazine_bytes);
+        for round in 0..4 {
+            if round == 3 {
+                target = u64::MAX;
             }
-            if self.retiring_bytes() < size || std::time::Instant::now() >= deadline {
+            let mut moved = own.map_or(0, |tc| tc.flush_some(target));
+            if moved < target {
+                moved += self.flush_depots(target - moved);
+            }
+            self.close_all();
+            if let Some(a) = self.poll_for(size)? {
+                return Ok(a);
+            }
+            if moved == 0 && self.retiring_bytes() == 0 {
                 break;
             }
-            crate::sync::yield_now();
+            target = target.saturating_mul(2);
         }
         Counters::bump(&self.counters.ladder_maps, 1);
         if let Some(a) = self.try_arena(size, Mapping::Allowed)? {
@@ -514,6 +513,25 @@ impl PoolInner {
             largest_free: st.largest_free_block,
             max_reserved: self.max_reserved,
         })
+    }
+
+    /// Batches just closed on an idle stream complete within microseconds: poll them for up
+    /// to `poll_before_map` (less than mapping a page costs, ~40 µs on an H200) while they
+    /// hold enough to serve `size`, trying the arena without mapping after each release. A
+    /// busy stream's batches are left for the wait rung.
+    fn poll_for(&self, size: u64) -> Result<Option<u64>> {
+        let deadline = std::time::Instant::now() + self.config.poll_before_map;
+        loop {
+            if self.poll_all() > 0 {
+                if let Some(a) = self.try_arena(size, Mapping::Forbidden)? {
+                    return Ok(Some(a));
+                }
+            }
+            if self.retiring_bytes() < size || std::time::Instant::now() >= deadline {
+                return Ok(None);
+            }
+            crate::sync::yield_now();
+        }
     }
 
     fn try_arena(&self, size: u64, mapping: Mapping) -> Result<Option<u64>> {
