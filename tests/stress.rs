@@ -110,7 +110,10 @@ impl Churn {
         self.early_exits && matches!(me % 8, 3 | 4)
     }
 
-    /// The thread that trims midway, and the two that flush their caches.
+    /// The thread that trims midway, and the two that flush their caches: 6 allocates through
+    /// `pool.alloc`, 8 through a `StreamCache` (whose handle keeps its cache alive across the
+    /// flush: that cache is not emptied, and the thread's frees then go to a second cache for
+    /// the same stream).
     const TRIMMER: usize = 2;
     const FLUSHERS: [usize; 2] = [6, 8];
 }
