@@ -10,7 +10,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::{device, Kernels};
-use vrampool::{Block, CudaDevice, Device, Event, Pool, PoolConfig, Stats, Stream};
+use vrampool::{Block, CudaDevice, Device, Event, Pool, PoolConfig, Stats, Stream, StreamCache};
 
 const MIB: usize = 1 << 20;
 
@@ -45,6 +45,17 @@ impl Rng {
     fn size(&mut self) -> usize {
         let bytes = (8.0 + 15.0 * self.unit()).exp2() as usize;
         bytes.clamp(256, 8 * MIB) & !3
+    }
+
+    /// 70%: one of a few fixed sizes (multiples of 4, some not of 256), so the thread caches
+    /// hit; 30%: [`Rng::size`].
+    fn repeating_size(&mut self) -> usize {
+        const FIXED: [usize; 8] = [256, 1000, 4096, 12_000, 65_536, 200_000, MIB, 3 * MIB];
+        if self.below(10) < 7 {
+            FIXED[self.below(FIXED.len())]
+        } else {
+            self.size()
+        }
     }
 }
 
@@ -422,5 +433,152 @@ fn many_threads_each_with_a_stream() {
     let st = trim_to_empty(&pool);
     assert!(st.events_recorded > 0 && st.batches_retired > 0, "{st:?}");
     summary("many_threads_each_with_a_stream", THREADS * ITERS, &st, took);
+    drop(kernels);
+}
+
+/// Through the cache tiers: 16 threads share 6 streams (thread `i` on stream `i % 6`), so
+/// several threads' caches feed each stream's depot; half allocate through an explicit
+/// `StreamCache`, half through `pool.alloc`. Blocks are filled and checked by kernels on their
+/// stream, a quarter are also checked on another stream (ordered by an event, declared with
+/// `record_stream`), and every block is checked once more on its stream just before its free.
+/// `max_reserved` of 2 GiB is well under what 16 caches of 256 MiB can hold, so the
+/// out-of-memory ladder runs (flushes, waits, steals from idle caches).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_stress_through_caches_16_threads_6_streams() {
+    const THREADS: usize = 16;
+    const STREAMS: usize = 6;
+    const ITERS: usize = 2000;
+    const MAX_LIVE: usize = 16;
+    const MAX_RESERVED: u64 = 2 << 30;
+    let dev = device();
+    let kernels = SharedKernels(Kernels::load(&dev));
+    println!("{}; kernels from {}", dev.name(), kernels.0.source);
+    let config = PoolConfig { max_reserved: Some(MAX_RESERVED), ..PoolConfig::default() };
+    let pool = Pool::new(dev.clone(), config).unwrap();
+    let streams: Vec<Stream> = (0..STREAMS).map(|_| dev.create_stream().unwrap()).collect();
+    let t = Instant::now();
+    // Per thread: (mismatched words, blocks hopped, allocs through its StreamCache).
+    let results: Vec<(u32, usize, usize)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..THREADS)
+            .map(|thread| {
+                let (dev, pool, shared, streams) = (&dev, &pool, &kernels, &streams);
+                scope.spawn(move || {
+                    let kernels = shared.get();
+                    let si = thread % STREAMS;
+                    let s = &streams[si];
+                    // Not `thread % 2`: with an even number of streams, every stream would get
+                    // threads of one kind only.
+                    let cache: Option<StreamCache> =
+                        if (thread / 2) % 2 == 0 { Some(pool.stream_cache(s).unwrap()) } else { None };
+                    let ev = dev.create_event().unwrap();
+                    // The mismatch counter: zeroed on the owner stream, written by checks on
+                    // every stream (each ordered after the memset by the event of its hop).
+                    let bad = pool.alloc(4, s).unwrap();
+                    for other in streams.iter() {
+                        bad.record_stream(other);
+                    }
+                    let badp = bad.device_ptr();
+                    dev.memset(badp, 0, 4, s).unwrap();
+                    // The last check on the owner stream, then the stream-ordered free.
+                    let retire = |(blk, seed): (Block, u32)| {
+                        kernels.check(s, blk.device_ptr(), blk.len() / 4, seed, badp);
+                        drop(blk);
+                    };
+                    let mut rng = Rng::new(0xc0ff_ee00_0000_0001 ^ (thread as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+                    let mut live: Vec<(Block, u32)> = Vec::with_capacity(MAX_LIVE);
+                    let mut hopped_to = [false; STREAMS];
+                    let (mut hops, mut through_cache) = (0, 0);
+                    for _ in 0..ITERS {
+                        if live.len() >= MAX_LIVE || (!live.is_empty() && rng.below(3) == 0) {
+                            let i = rng.below(live.len());
+                            retire(live.swap_remove(i));
+                        }
+                        let len = rng.repeating_size();
+                        let blk = match &cache {
+                            Some(c) => {
+                                through_cache += 1;
+                                c.alloc(len).unwrap()
+                            }
+                            None => pool.alloc(len, s).unwrap(),
+                        };
+                        assert_eq!(blk.len(), len);
+                        assert!(blk.capacity() >= len && blk.device_ptr() % 256 == 0, "{blk:?}");
+                        assert_eq!(blk.stream_id(), s.id(), "{blk:?}");
+                        let seed = rng.next() as u32;
+                        let (p, n) = (blk.device_ptr(), len / 4);
+                        kernels.fill(s, p, n, seed);
+                        if rng.below(4) == 0 {
+                            // Hop: the other stream waits for the fill, checks the block, and
+                            // the pool is told the block was used there.
+                            let o = (si + 1 + rng.below(STREAMS - 1)) % STREAMS;
+                            order(dev, &ev, s, &streams[o]);
+                            kernels.check(&streams[o], p, n, seed, badp);
+                            blk.record_stream(&streams[o]);
+                            hopped_to[o] = true;
+                            hops += 1;
+                        }
+                        live.push((blk, seed));
+                    }
+                    for e in live.drain(..) {
+                        retire(e);
+                    }
+                    drop(cache);
+                    // Read the counter on the owner stream once every stream this thread
+                    // checked on has run those checks (other threads' work on the shared
+                    // streams is not waited for beyond that).
+                    for (o, other) in streams.iter().enumerate() {
+                        if hopped_to[o] {
+                            order(dev, &ev, other, s);
+                        }
+                    }
+                    let [n] = read_words::<1>(dev, badp, s);
+                    drop(bad);
+                    (n, hops, through_cache)
+                })
+            })
+            .collect();
+        // Joined one by one: a join also waits for the thread's thread-local destructors,
+        // which flush its caches (the scope alone does not: rust#116179).
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let took = t.elapsed();
+    for s in &streams {
+        dev.synchronize(s).unwrap();
+    }
+    let bads: Vec<u32> = results.iter().map(|r| r.0).collect();
+    let hops: usize = results.iter().map(|r| r.1).sum();
+    let through_cache: usize = results.iter().map(|r| r.2).sum();
+    println!(
+        "mismatched words per thread: {bads:?}; {hops} blocks hopped streams; \
+         {through_cache} of {} allocs through StreamCaches",
+        THREADS * ITERS
+    );
+    assert!(bads.iter().all(|&n| n == 0), "some blocks did not hold their pattern: {bads:?}");
+    let st = trim_to_empty(&pool);
+    assert!(st.events_recorded > 0 && st.batches_retired > 0, "{st:?}");
+    assert!(st.t0_hits > 0, "the thread caches never hit: {st:?}");
+    assert!(st.peak_reserved_bytes <= MAX_RESERVED, "mapped past max_reserved: {st:?}");
+    println!(
+        "gpu_stress_through_caches_16_threads_6_streams: {THREADS} threads on {STREAMS} streams, {} iterations \
+         in {:.2} s; T0 hit rate {:.1}%, T1 hit rate {:.1}% of {} allocs; {} events recorded, {} batches \
+         retired; ladder flushes {}, maps {}, waits {}, steals {}, ooms {}; peak reserved {:.1} MiB of {} MiB",
+        THREADS * ITERS,
+        took.as_secs_f64(),
+        100.0 * st.t0_hit_rate(),
+        100.0 * st.t1_hit_rate(),
+        st.allocs,
+        st.events_recorded,
+        st.batches_retired,
+        st.ladder_flushes,
+        st.ladder_maps,
+        st.ladder_waits,
+        st.ladder_steals,
+        st.ooms,
+        st.peak_reserved_bytes as f64 / MIB as f64,
+        MAX_RESERVED >> 20
+    );
+    summary("gpu_stress_through_caches_16_threads_6_streams", THREADS * ITERS, &st, took);
+    drop(streams);
     drop(kernels);
 }

@@ -12,14 +12,22 @@
 //! functions, and streams are made to lag behind the host, so that the pool's event guard is
 //! the only thing standing between a free and a too-early reuse. The second test breaks that
 //! guard on purpose and checks that the harness sees it.
+//!
+//! The third runs the same harness through the cache tiers: more threads than streams, so that
+//! several threads share each stream's depot; half of them allocate through an explicit
+//! [`StreamCache`], the others through `pool.alloc` (the thread-local cache); sizes repeat, so
+//! the caches hit; one thread trims the pool midway (taking idle caches' blocks through the
+//! handshake), others flush their caches, some exit early (their caches flush on exit); and
+//! `max_reserved` is low enough that the out-of-memory ladder runs.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use vrampool::{Block, Device, Pool, PoolConfig, SimDevice, Stats, Stream};
+use vrampool::{Block, Device, Pool, PoolConfig, SimDevice, Stats, Stream, StreamCache};
 
+/// Threads and streams of the first two tests (the cache test has its own).
 const THREADS: usize = 8;
 const STREAMS: usize = 4;
 /// Live blocks a thread keeps at most.
@@ -40,7 +48,7 @@ fn default_ops() -> u64 {
     std::env::var("VRAMPOOL_STRESS_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(fallback)
 }
 
-/// The two tests share the machine's cores: run them one after the other so that neither's
+/// The tests share the machine's cores: run them one after the other so that neither's
 /// streams lag only because the other is running, and the printed times mean something.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
@@ -58,6 +66,56 @@ struct Run {
     config: PoolConfig,
     ops: u64,
     lag: Lag,
+    /// Worker threads; thread `i` allocates on stream `i % streams`.
+    threads: usize,
+    streams: usize,
+    sizes: Sizes,
+    churn: Churn,
+}
+
+/// The request sizes of a run.
+#[derive(Clone, Copy)]
+enum Sizes {
+    /// Mostly 256 B – 1 MiB log-uniform, now and then sub-granule and up to 8 MiB: few
+    /// repeats, so most requests find no block of their class in the caches.
+    Spread,
+    /// 70% from a few fixed sizes (what a server's steady state looks like: the caches hit),
+    /// 30% log-uniform in 256 B – 4 MiB.
+    Repeating,
+}
+
+/// What a run does to the cache tiers besides allocating and freeing.
+#[derive(Clone, Copy, Default)]
+struct Churn {
+    /// Half the threads allocate through an explicit [`StreamCache`] made inside the thread;
+    /// the others through `pool.alloc` (the thread-local cache).
+    stream_caches: bool,
+    /// Halfway through its share, one thread trims the pool, and two others (one of each
+    /// kind) flush their thread caches.
+    midway: bool,
+    /// Some threads do a quarter share and exit at once, while the others run on: their caches
+    /// flush on thread exit. Nobody hands them blocks to drop.
+    early_exits: bool,
+}
+
+impl Churn {
+    fn uses_stream_cache(&self, me: usize) -> bool {
+        // Not `me % 2`: with an even number of streams that would give every stream threads
+        // of one kind only. This gives each stream both kinds.
+        self.stream_caches && (me / 2) % 2 == 0
+    }
+
+    /// Threads 3, 4, 11 and 12: two of each kind.
+    fn exits_early(&self, me: usize) -> bool {
+        self.early_exits && matches!(me % 8, 3 | 4)
+    }
+
+    /// The thread that trims midway, and the two that flush their caches: 6 allocates through
+    /// `pool.alloc`, 8 through a `StreamCache` (whose handle keeps its cache alive across the
+    /// flush: that cache is not emptied, and the thread's frees then go to a second cache for
+    /// the same stream).
+    const TRIMMER: usize = 2;
+    const FLUSHERS: [usize; 2] = [6, 8];
 }
 
 /// What a run saw.
@@ -71,6 +129,8 @@ struct Outcome {
     hops: u64,
     host_fn_drops: u64,
     cross_thread_drops: u64,
+    stream_cache_allocs: u64,
+    midway_trim: Option<Duration>,
     stats: Stats,
     shadow_clean: bool,
     elapsed: Duration,
@@ -216,6 +276,14 @@ impl Rng {
             _ => self.log_uniform(8, 20),
         }) as usize
     }
+
+    /// 70%: one of a few fixed sizes (some not multiples of 256, so the classes round them);
+    /// 30%: log-uniform in 256 B – 4 MiB.
+    fn repeating_size(&mut self) -> usize {
+        const FIXED: [u64; 8] = [256, 1000, 4096, 12_000, 65_536, 200_000, 1 << 20, 3 << 20];
+        (if self.below(10) < 7 { FIXED[self.below(FIXED.len() as u64) as usize] } else { self.log_uniform(8, 22) })
+            as usize
+    }
 }
 
 /// A block held by a worker, and the streams that have used it (its own first).
@@ -233,6 +301,10 @@ struct World {
     shadow: Arc<Shadow>,
     next_tag: AtomicU64,
     lag: Lag,
+    sizes: Sizes,
+    churn: Churn,
+    /// Threads that drain an inbox until every thread is done: blocks are handed only to them.
+    receivers: Vec<usize>,
     /// Host functions queued on each stream and not yet run.
     backlog: Vec<Arc<AtomicU64>>,
     allocs: AtomicU64,
@@ -240,9 +312,19 @@ struct World {
     hops: AtomicU64,
     host_fn_drops: AtomicU64,
     cross_thread_drops: AtomicU64,
+    /// Allocations through an explicit `StreamCache`, and the midway trim's duration.
+    stream_cache_allocs: AtomicU64,
+    midway_trim: Mutex<Option<Duration>>,
 }
 
 impl World {
+    fn size(&self, rng: &mut Rng) -> usize {
+        match self.sizes {
+            Sizes::Spread => rng.size(),
+            Sizes::Repeating => rng.repeating_size(),
+        }
+    }
+
     fn enqueue(&self, s: usize, f: impl FnOnce() + Send + 'static) {
         let backlog = Arc::clone(&self.backlog[s]);
         while backlog.load(Ordering::Acquire) >= MAX_BACKLOG {
@@ -269,9 +351,16 @@ impl World {
         }
     }
 
-    fn alloc(&self, s: usize, rng: &mut Rng) -> Option<Live> {
-        let size = rng.size();
-        let block = match self.pool.alloc(size, &self.streams[s]) {
+    fn alloc(&self, s: usize, rng: &mut Rng, cache: Option<&StreamCache>) -> Option<Live> {
+        let size = self.size(rng);
+        let got = match cache {
+            Some(c) => {
+                self.stream_cache_allocs.fetch_add(1, Ordering::Relaxed);
+                c.alloc(size)
+            }
+            None => self.pool.alloc(size, &self.streams[s]),
+        };
+        let block = match got {
             Ok(b) => b,
             Err(e) => {
                 self.shadow.error(format!("alloc({size}) on stream {s}: {e}"));
@@ -287,7 +376,8 @@ impl World {
         let mut l = Live { block, tag, used_on: vec![s] };
         self.use_on(s, &l, rng);
         if rng.one_in(8) {
-            let o = (s + rng.range(1, STREAMS as u64 - 1) as usize) % STREAMS;
+            let n = self.streams.len();
+            let o = (s + rng.range(1, n as u64 - 1) as usize) % n;
             // As on a GPU, the consumer stream is made to wait for the producer before it
             // touches the block; the pool's part is only the free, via `record_stream`.
             if let Err(e) = self.wait(o, s) {
@@ -325,9 +415,15 @@ impl World {
                 self.enqueue(l.used_on[0], move || drop(block));
             }
             1 => {
+                // Another receiver: it drains its inbox until no sender is left (`running`).
+                let others = self.receivers.iter().filter(|&&r| r != me).count() as u64;
+                if others == 0 {
+                    drop(l.block);
+                    return;
+                }
+                let k = rng.below(others) as usize;
+                let to = *self.receivers.iter().filter(|&&r| r != me).nth(k).unwrap();
                 self.cross_thread_drops.fetch_add(1, Ordering::Relaxed);
-                let to = (me + 1 + rng.below(THREADS as u64 - 1) as usize) % THREADS;
-                // Every receiver drains its inbox until no sender is left (`running`).
                 let _ = inboxes[to].send(l.block);
             }
             _ => drop(l.block),
@@ -335,8 +431,20 @@ impl World {
     }
 
     fn worker(&self, me: usize, allocs: u64, inboxes: &[Sender<Block>], inbox: Receiver<Block>, running: &AtomicU64) {
-        let s = me % STREAMS;
+        let s = me % self.streams.len();
         let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ (me as u64 + 1).wrapping_mul(0xbf58_476d_1ce4_e5b9));
+        // Not `Send`: made here, on the thread that uses it.
+        let cache = if self.churn.uses_stream_cache(me) {
+            match self.pool.stream_cache(&self.streams[s]) {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    self.shadow.error(format!("stream_cache on stream {s}: {e}"));
+                    None
+                }
+            }
+        } else {
+            None
+        };
         let mut live: Vec<Live> = Vec::with_capacity(WINDOW);
         let mut done = 0;
         while done < allocs && self.shadow.errors.load(Ordering::Relaxed) == 0 {
@@ -349,15 +457,23 @@ impl World {
                 self.free(l, &mut rng, inboxes, me);
             } else {
                 done += 1;
-                live.extend(self.alloc(s, &mut rng));
+                live.extend(self.alloc(s, &mut rng, cache.as_ref()));
+                if done == allocs / 2 {
+                    self.midway(me);
+                }
             }
         }
         while let Some(l) = live.pop() {
             self.free(l, &mut rng, inboxes, me);
         }
+        drop(cache);
+        running.fetch_sub(1, Ordering::AcqRel);
+        if self.churn.exits_early(me) {
+            // Nobody hands this thread blocks: it exits now, and its caches flush on exit.
+            return;
+        }
         // Blocks sent here after this thread's last alloc are live memory until dropped: keep
         // draining until every sender is done (its sends happen before its decrement).
-        running.fetch_sub(1, Ordering::AcqRel);
         loop {
             let last = running.load(Ordering::Acquire) == 0;
             while let Ok(b) = inbox.try_recv() {
@@ -367,6 +483,24 @@ impl World {
                 break;
             }
             std::thread::yield_now();
+        }
+    }
+
+    /// Halfway through a thread's share: trim the pool, or flush this thread's caches, while
+    /// the other threads run on.
+    fn midway(&self, me: usize) {
+        if !self.churn.midway {
+            return;
+        }
+        if me == Churn::TRIMMER {
+            let t = Instant::now();
+            if let Err(e) = self.pool.trim() {
+                self.shadow.error(format!("trim midway: {e}"));
+            }
+            *self.midway_trim.lock().unwrap_or_else(|p| p.into_inner()) = Some(t.elapsed());
+        }
+        if Churn::FLUSHERS.contains(&me) {
+            self.pool.flush_thread_cache();
         }
     }
 }
@@ -387,7 +521,7 @@ fn stress(run: Run) -> Outcome {
     let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let dev = SimDevice::new(1 << 30);
     let pool = Pool::new(dev.clone(), run.config).unwrap();
-    let streams: Vec<Stream> = (0..STREAMS).map(|_| dev.new_stream().unwrap()).collect();
+    let streams: Vec<Stream> = (0..run.streams).map(|_| dev.new_stream().unwrap()).collect();
     // The arena hands out its lowest address first: the first block sits at the range's base.
     let base = pool.alloc(1, &streams[0]).unwrap().device_ptr();
     let world = World {
@@ -397,21 +531,43 @@ fn stress(run: Run) -> Outcome {
         shadow: Arc::new(Shadow::new(base)),
         next_tag: AtomicU64::new(1),
         lag: run.lag,
-        backlog: (0..STREAMS).map(|_| Arc::new(AtomicU64::new(0))).collect(),
+        sizes: run.sizes,
+        churn: run.churn,
+        receivers: (0..run.threads).filter(|&me| !run.churn.exits_early(me)).collect(),
+        backlog: (0..run.streams).map(|_| Arc::new(AtomicU64::new(0))).collect(),
         allocs: AtomicU64::new(0),
         frees: AtomicU64::new(0),
         hops: AtomicU64::new(0),
         host_fn_drops: AtomicU64::new(0),
         cross_thread_drops: AtomicU64::new(0),
+        stream_cache_allocs: AtomicU64::new(0),
+        midway_trim: Mutex::new(None),
     };
-    let per_thread = run.ops.div_ceil(2 * THREADS as u64);
+    // Each thread's share of the allocs (half the ops): a thread that exits early does a
+    // quarter of a full share, and the full shares make up the difference.
+    let weight = |me: usize| if run.churn.exits_early(me) { 1 } else { 4 };
+    let total_weight: u64 = (0..run.threads).map(weight).sum();
+    let share = |me: usize| (run.ops / 2).saturating_mul(weight(me)).div_ceil(total_weight);
     let start = Instant::now();
-    let (senders, receivers): (Vec<_>, Vec<_>) = (0..THREADS).map(|_| channel::<Block>()).unzip();
-    let running = AtomicU64::new(THREADS as u64);
+    let (senders, receivers): (Vec<_>, Vec<_>) = (0..run.threads).map(|_| channel::<Block>()).unzip();
+    let running = AtomicU64::new(run.threads as u64);
     std::thread::scope(|scope| {
-        for (me, inbox) in receivers.into_iter().enumerate() {
-            let (world, senders, running) = (&world, &senders, &running);
-            scope.spawn(move || world.worker(me, per_thread, senders, inbox, running));
+        let handles: Vec<_> = receivers
+            .into_iter()
+            .enumerate()
+            .map(|(me, inbox)| {
+                let (world, senders, running) = (&world, &senders, &running);
+                let allocs = share(me);
+                scope.spawn(move || world.worker(me, allocs, senders, inbox, running))
+            })
+            .collect();
+        // Joined one by one, not left to the scope: the scope returns before the threads'
+        // thread-local destructors have run (rust#116179), and those flush the threads'
+        // caches. A join waits for them.
+        for h in handles {
+            if let Err(panic) = h.join() {
+                std::panic::resume_unwind(panic);
+            }
         }
     });
     // Blocks dropped inside host functions are freed once their streams get there.
@@ -435,6 +591,8 @@ fn stress(run: Run) -> Outcome {
         hops: world.hops.load(Ordering::Acquire),
         host_fn_drops: world.host_fn_drops.load(Ordering::Acquire),
         cross_thread_drops: world.cross_thread_drops.load(Ordering::Acquire),
+        stream_cache_allocs: world.stream_cache_allocs.load(Ordering::Acquire),
+        midway_trim: *world.midway_trim.lock().unwrap_or_else(|p| p.into_inner()),
         stats,
         shadow_clean: shadow.is_clean(),
         elapsed,
@@ -454,16 +612,35 @@ fn stress(run: Run) -> Outcome {
         out.errors
     );
     eprintln!(
-        "{}: events recorded {}, batches retired {}, same-stream reuses {}, ladder maps {}, ladder waits {}, \
-         peak reserved {} MiB, peak allocated {} MiB",
+        "{}: events recorded {}, batches retired {}, same-stream reuses {}, ladder flushes {}, maps {}, \
+         waits {}, steals {}, ooms {}; peak reserved {} MiB (max {} MiB), peak allocated {} MiB",
         run.name,
         stats.events_recorded,
         stats.batches_retired,
         stats.same_stream_reuses,
+        stats.ladder_flushes,
         stats.ladder_maps,
         stats.ladder_waits,
+        stats.ladder_steals,
+        stats.ooms,
         stats.peak_reserved_bytes >> 20,
+        pool.max_reserved() >> 20,
         stats.peak_allocated_bytes >> 20
+    );
+    eprintln!(
+        "{}: {} threads on {} streams; T0 hit rate {:.1}% ({}), T1 hit rate {:.1}% ({}) of {} pool allocs; \
+         {} through StreamCaches; {} thread caches left registered{}",
+        run.name,
+        run.threads,
+        run.streams,
+        100.0 * stats.t0_hit_rate(),
+        stats.t0_hits,
+        100.0 * stats.t1_hit_rate(),
+        stats.t1_hits,
+        stats.allocs,
+        out.stream_cache_allocs,
+        stats.thread_caches,
+        out.midway_trim.map(|d| format!("; midway trim took {d:.2?}")).unwrap_or_default()
     );
     if let Some(first) = &out.first_overlap {
         eprintln!("{}: first overlap: {first}", run.name);
@@ -482,6 +659,10 @@ fn no_two_blocks_overlap_on_any_streams_clock() {
         config: config(256 << 20),
         ops: default_ops(),
         lag: Lag { one_in: 32, min_us: 1, max_us: 20 },
+        threads: THREADS,
+        streams: STREAMS,
+        sizes: Sizes::Spread,
+        churn: Churn::default(),
     });
     assert_eq!(out.errors, 0, "first error: {:?}", out.first_error);
     assert_eq!(out.overlaps, 0, "first overlap: {:?}", out.first_overlap);
@@ -507,7 +688,43 @@ fn stress_catches_a_broken_event_guard() {
         config,
         ops: default_ops().min(200_000),
         lag: Lag { one_in: 4, min_us: 50, max_us: 200 },
+        threads: THREADS,
+        streams: STREAMS,
+        sizes: Sizes::Spread,
+        churn: Churn::default(),
     });
     assert_eq!(out.errors, 0, "first error: {:?}", out.first_error);
     assert!(out.overlaps > 0, "the harness did not notice memory reused across streams before its free");
+}
+
+#[test]
+fn caches_under_16_threads_and_6_streams() {
+    let ops = default_ops();
+    let out = stress(Run {
+        name: "caches",
+        // 384 MiB for 16 threads whose caches may each hold 256 MiB, and streams that lag:
+        // the out-of-memory ladder flushes, maps, waits and takes idle caches' blocks.
+        config: config(384 << 20),
+        ops,
+        lag: Lag { one_in: 32, min_us: 1, max_us: 20 },
+        threads: 16,
+        streams: 6,
+        sizes: Sizes::Repeating,
+        churn: Churn { stream_caches: true, midway: true, early_exits: true },
+    });
+    assert_eq!(out.errors, 0, "first error: {:?}", out.first_error);
+    assert_eq!(out.overlaps, 0, "first overlap: {:?}", out.first_overlap);
+    assert!(out.allocs + out.frees >= ops, "ran {} ops", out.allocs + out.frees);
+    assert_eq!(out.allocs, out.frees);
+    assert!(out.shadow_clean, "every use was followed by its unuse, so no granule may stay marked");
+    let st = out.stats;
+    assert_eq!(st.allocs, out.allocs + 1, "the pool counted every alloc (and the base probe)");
+    assert!(out.hops > 0 && out.host_fn_drops > 0 && out.cross_thread_drops > 0);
+    assert!(out.stream_cache_allocs > 0 && out.stream_cache_allocs < out.allocs, "both ways of allocating ran");
+    assert!(out.midway_trim.is_some(), "the midway trim ran");
+    assert!(st.t0_hits > 0 && st.t1_hits > 0, "the caches hit: {st:?}");
+    assert!(st.ladder_flushes > 0 && st.ladder_maps > 0, "the ladder ran: {st:?}");
+    assert!(st.peak_reserved_bytes <= 384 << 20, "mapped past max_reserved: {st:?}");
+    assert_eq!((st.allocated_bytes, st.live_blocks), (0, 0), "every block was dropped");
+    assert_eq!((st.reserved_bytes, st.cached_bytes, st.retiring_bytes), (0, 0, 0), "trim gave everything back");
 }
