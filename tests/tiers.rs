@@ -78,11 +78,13 @@ fn size() -> impl Strategy<Value = usize> {
     ]
 }
 
-fn op() -> impl Strategy<Value = Op> {
+/// `free_weight` against allocations' 10: 8 keeps the live set small; 2 lets it grow past
+/// `max_reserved`, so the out-of-memory ladder runs (flushes, steals, waits, then the error).
+fn op(free_weight: u32) -> impl Strategy<Value = Op> {
     prop_oneof![
         10 => (size(), 0usize..2, any::<bool>())
             .prop_map(|(bytes, stream, via_stream_cache)| Op::Alloc { bytes, stream, via_stream_cache }),
-        8 => (any::<usize>(), proptest::bool::weighted(0.15))
+        free_weight => (any::<usize>(), proptest::bool::weighted(0.15))
             .prop_map(|(pick, record_other)| Op::Free { pick, record_other }),
         1 => Just(Op::FlushThreadCache),
         1 => Just(Op::Trim),
@@ -184,12 +186,17 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 64, failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
-    fn tiers_agree_with_the_model_on_one_stream(ops in proptest::collection::vec(op(), 1..200)) {
+    fn tiers_agree_with_the_model_on_one_stream(ops in proptest::collection::vec(op(8), 1..200)) {
         run(&ops, 1);
     }
 
     #[test]
-    fn tiers_agree_with_the_model_on_two_streams(ops in proptest::collection::vec(op(), 1..200)) {
+    fn tiers_agree_with_the_model_on_two_streams(ops in proptest::collection::vec(op(8), 1..200)) {
+        run(&ops, 2);
+    }
+
+    #[test]
+    fn tiers_agree_with_the_model_under_memory_pressure(ops in proptest::collection::vec(op(2), 100..200)) {
         run(&ops, 2);
     }
 }
