@@ -1,0 +1,381 @@
+//! loom models of the thread-cache tier (T0) and its neighbours: the idle-cache handshake
+//! (owner operations racing a thief), the thread-exit flush racing the pool's trim, and an
+//! allocating thread racing the out-of-memory ladder's flush of caches and depots.
+//!
+//! Tiny configurations: one size class, magazines of 1–2 blocks, depots that keep one full
+//! magazine, 2 threads. The magazines live in the facade's `UnsafeCell`, so loom itself
+//! fails any interleaving where owner and thief touch them without a happens-before edge.
+//! Every model ends by checking that each block is in exactly one place and that the
+//! cache's `cached_bytes` counter agrees with what the cache holds.
+//!
+//! Each model registers with an explicit crossbeam-epoch `Collector` (the depot's and the
+//! retire queue's nodes are reclaimed through it).
+//!
+//! `RUSTFLAGS="--cfg loom --cfg crossbeam_loom" LOOM_MAX_PREEMPTIONS=2 cargo test -p loom_tests --release --test cache`
+#![cfg(loom)]
+
+use std::cell::RefCell;
+
+use crossbeam_epoch::{Collector, LocalHandle};
+use loom::sync::atomic::{AtomicBool, Ordering};
+use loom::sync::Arc;
+use loom::thread;
+use vrampool::cache::depot::Depot;
+use vrampool::cache::magazine::Magazine;
+use vrampool::cache::thread::{CacheShared, Slot, Spill};
+use vrampool::reclaim::{Span, StreamRetire};
+
+/// The one size class of every model.
+const SIZE: u64 = 256;
+/// No byte bound: the models exercise the magazine and depot paths, not the cache's limit.
+const NO_LIMIT: u64 = u64::MAX;
+
+fn slot(cap: usize) -> Slot {
+    Slot { class: 0, size: SIZE, cap }
+}
+
+fn span(addr: u64) -> Span {
+    Span { addr, size: SIZE }
+}
+
+/// An allocation as `ThreadCache::try_hit` makes it: the loaded magazine, else the previous
+/// one or a full magazine from the depot. One operation: enter, pop, exit.
+fn alloc(cs: &CacheShared, depot: &Depot, h: &LocalHandle) -> Option<u64> {
+    cs.enter_wait();
+    // SAFETY: entered above; class 0 exists.
+    let got = unsafe { cs.pop(0, SIZE).or_else(|| cs.pop_slow(0, SIZE, depot, || h.pin())) };
+    cs.exit();
+    got
+}
+
+/// A free as `ThreadCache::free` makes it: the loaded magazine, else the slow path that
+/// trades with the depot. Returns the blocks the cache could not keep (the caller retires
+/// them once outside, as the pool does).
+fn free(cs: &CacheShared, s: Slot, addr: u64, depot: &Depot, h: &LocalHandle) -> Vec<u64> {
+    cs.enter_wait();
+    // SAFETY: entered above.
+    let spill = unsafe {
+        if cs.push(s, addr, NO_LIMIT) {
+            Spill::None
+        } else {
+            cs.push_slow(s, addr, NO_LIMIT, depot, || h.pin())
+        }
+    };
+    cs.exit();
+    match spill {
+        Spill::None => Vec::new(),
+        Spill::Retire(v) => v,
+    }
+}
+
+/// The blocks of a cache nobody uses any more (after every thread joined), checked against
+/// its `cached_bytes` counter.
+fn cache_contents(cs: &CacheShared) -> Vec<u64> {
+    let mut v = Vec::new();
+    // SAFETY: quiet: every other thread has joined (or, in the exit model, let go).
+    unsafe { cs.for_each_block(|_, a| v.push(a)) };
+    assert_eq!(
+        cs.counters.cached_bytes.load(Ordering::Relaxed),
+        v.len() as u64 * SIZE,
+        "cached_bytes agrees with the blocks the cache holds"
+    );
+    v
+}
+
+/// The blocks of a quiet depot, checked against its counters.
+fn depot_contents(d: &Depot, h: &LocalHandle) -> Vec<u64> {
+    let g = h.pin();
+    let (count, blocks) = (d.full_count(), d.blocks());
+    let mags = d.drain(&g);
+    assert_eq!(mags.len(), count, "full_count() agrees with the magazines held");
+    let v: Vec<u64> = mags.iter().flat_map(|m| m.blocks().to_vec()).collect();
+    assert_eq!(v.len(), blocks, "blocks() agrees with the magazines held");
+    v
+}
+
+/// The blocks of a quiet retire queue.
+fn retire_contents(r: &StreamRetire<()>, h: &LocalHandle) -> Vec<u64> {
+    let mut v = Vec::new();
+    r.for_each_span(|s| v.push(s.addr), &h.pin());
+    assert_eq!(r.open_bytes(), v.len() as u64 * SIZE, "open_bytes agrees with the spans held");
+    v
+}
+
+fn assert_exactly_once(mut got: Vec<u64>, want: &[u64]) {
+    got.sort_unstable();
+    assert_eq!(got, want, "every block exactly once: none lost, none in two places");
+}
+
+/// A cache whose loaded magazine holds `blocks` (filled by frees, as an owner would).
+fn filled_cache(blocks: &[u64], cap: usize, depot: &Depot, h: &LocalHandle) -> CacheShared {
+    let cs = CacheShared::new(1);
+    for &a in blocks {
+        assert!(free(&cs, slot(cap), a, depot, h).is_empty());
+    }
+    cs
+}
+
+/// The idle-cache handshake. The owner allocates one block and frees another (fast paths
+/// and, when the thief got there first, the slow ones), while a thief takes whatever the
+/// cache holds as `steal_idle_caches` does. loom's cell checking fails any run where the
+/// two touch the magazines at once; at the end each block is in exactly one of the owner's
+/// hands, the cache and the thief's retire queue, and `cached_bytes` matches the cache.
+#[test]
+fn owner_and_thief_never_hold_the_magazines_together() {
+    loom::model(|| {
+        let collector = Arc::new(Collector::new());
+        let depot = Arc::new(Depot::new(1));
+        let cs = {
+            let h = collector.register();
+            // Loaded magazine [1, 2]; the owner holds block 3 (live).
+            Arc::new(filled_cache(&[1, 2], 2, &depot, &h))
+        };
+        let retire: Arc<StreamRetire<()>> = Arc::new(StreamRetire::new());
+        let owner = {
+            let (cs, depot, retire, c) = (cs.clone(), depot.clone(), retire.clone(), collector.clone());
+            thread::spawn(move || {
+                let h = c.register();
+                let got = alloc(&cs, &depot, &h);
+                for a in free(&cs, slot(2), 3, &depot, &h) {
+                    retire.free(span(a));
+                }
+                got
+            })
+        };
+        // The thief, as the pool's trim and out-of-memory ladder run it: take the blocks
+        // inside the steal, retire them once outside.
+        let h = collector.register();
+        let mut taken = Vec::new();
+        let stolen = cs.try_steal(|c| {
+            let g = h.pin();
+            // SAFETY: try_steal holds the handshake while this runs.
+            unsafe { c.drain(&[], false, |_, a| taken.push(a), |_| SIZE, &g) }
+        });
+        assert!(stolen || taken.is_empty(), "a refused thief takes nothing");
+        for &a in &taken {
+            retire.free(span(a));
+        }
+        let in_hands = owner.join().unwrap();
+        let mut all: Vec<u64> = in_hands.into_iter().collect();
+        all.extend(cache_contents(&cs));
+        all.extend(depot_contents(&depot, &h));
+        all.extend(retire_contents(&retire, &h));
+        assert_exactly_once(all, &[1, 2, 3]);
+    });
+}
+
+/// The part of a thread that owns a cache, kept in a loom thread-local as the pool keeps
+/// its `ThreadCache`s: dropped at thread exit, it flushes the cache (full magazines to the
+/// depot, the rest to the stream's retire queue) and marks it let go.
+struct Owner {
+    cs: Arc<CacheShared>,
+    depot: Arc<Depot>,
+    retire: Arc<StreamRetire<()>>,
+    collector: Arc<Collector>,
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        let h = self.collector.register();
+        let g = h.pin();
+        let mut out = Vec::new();
+        self.cs.enter_wait();
+        // SAFETY: entered above.
+        unsafe {
+            self.cs.drain(std::slice::from_ref(&*self.depot), true, |_, a| out.push(a), |_| SIZE, &g);
+        }
+        self.cs.exit();
+        for a in out {
+            self.retire.free(span(a));
+        }
+        self.cs.retire();
+    }
+}
+
+loom::thread_local! {
+    static OWNER: RefCell<Option<Owner>> = RefCell::new(None);
+}
+
+/// The thread-exit flush racing the pool's trim. The owner thread allocates a block and
+/// frees it and another (its loaded magazine of 2 overflows into the previous one), then
+/// exits; its thread-local's destructor flushes. Meanwhile the main thread steals the cache
+/// as `trim()` does. At the end every block is exactly once in the depot or the retire
+/// queue, and the cache is empty.
+///
+/// loom 0.7's `JoinHandle::join` returns once the closure has returned, *before* the
+/// thread's thread-locals are dropped (as `std::thread::scope`, rust#116179), so after
+/// `join` the model waits for `is_retired()`, the flag the destructor sets last.
+#[test]
+fn a_thread_exit_flush_racing_a_trim_loses_and_duplicates_nothing() {
+    loom::model(|| {
+        let collector = Arc::new(Collector::new());
+        let depot = Arc::new(Depot::new(1));
+        let retire: Arc<StreamRetire<()>> = Arc::new(StreamRetire::new());
+        let cs = {
+            let h = collector.register();
+            // Loaded magazine [1, 2] from the owner's earlier frees; it holds block 3.
+            Arc::new(filled_cache(&[1, 2], 2, &depot, &h))
+        };
+        let owner = {
+            let (cs, depot, retire, c) = (cs.clone(), depot.clone(), retire.clone(), collector.clone());
+            thread::spawn(move || {
+                let h = c.register();
+                OWNER.with(|o| {
+                    *o.borrow_mut() = Some(Owner {
+                        cs: cs.clone(),
+                        depot: depot.clone(),
+                        retire: retire.clone(),
+                        collector: c.clone(),
+                    })
+                });
+                let got = alloc(&cs, &depot, &h);
+                for a in got.into_iter().chain([3]) {
+                    for spilled in free(&cs, slot(2), a, &depot, &h) {
+                        retire.free(span(spilled));
+                    }
+                }
+                // Returning ends the thread: OWNER's destructor flushes.
+            })
+        };
+        let h = collector.register();
+        let mut taken = Vec::new();
+        cs.try_steal(|c| {
+            let g = h.pin();
+            // SAFETY: try_steal holds the handshake while this runs.
+            unsafe { c.drain(&[], false, |_, a| taken.push(a), |_| SIZE, &g) }
+        });
+        for a in taken {
+            retire.free(span(a));
+        }
+        owner.join().unwrap();
+        while !cs.is_retired() {
+            thread::yield_now();
+        }
+        assert!(cache_contents(&cs).is_empty(), "a flushed cache holds nothing");
+        let mut all = depot_contents(&depot, &h);
+        all.extend(retire_contents(&retire, &h));
+        assert_exactly_once(all, &[1, 2, 3]);
+    });
+}
+
+/// Where each block is, for the out-of-memory model: `FREE` while it sits in a tier
+/// (cache, depot, retire queue), `TAKEN` while a thread holds it (allocated, or in flight
+/// between tiers). Every removal from a tier CASes FREE→TAKEN and every insertion
+/// TAKEN→FREE, so a block handed out twice, or put in two tiers, fails a CAS at once.
+struct Tags(Vec<AtomicBool>);
+
+const FREE: bool = false;
+const TAKEN: bool = true;
+
+impl Tags {
+    fn new(taken: &[bool]) -> Tags {
+        Tags(taken.iter().map(|&t| AtomicBool::new(t)).collect())
+    }
+
+    /// The block left a tier. Relaxed suffices: a CAS always reads the latest value of
+    /// its own location, and that is all the check needs.
+    fn removed(&self, a: u64) {
+        let r = self.0[a as usize].compare_exchange(FREE, TAKEN, Ordering::Relaxed, Ordering::Relaxed);
+        assert!(r.is_ok(), "block {a} removed from a tier while not in one (handed out twice)");
+    }
+
+    /// The block entered a tier.
+    fn inserted(&self, a: u64) {
+        let r = self.0[a as usize].compare_exchange(TAKEN, FREE, Ordering::Relaxed, Ordering::Relaxed);
+        assert!(r.is_ok(), "block {a} put in a tier while already in one");
+    }
+
+    fn all_free(&self) -> bool {
+        self.0.iter().all(|t| t.load(Ordering::Relaxed) == FREE)
+    }
+}
+
+/// The out-of-memory flush racing allocations. Blocks 0..4: block 0 in thread A's cache
+/// (magazines of 1), block 1 in a full magazine in the depot (which keeps one), blocks 2
+/// and 3 live in A's hands. A allocates twice (a hit, then a miss that trades its empty
+/// magazine for the depot's full one) and frees all four: the fast path, a swap with the
+/// previous magazine, an overflow of the previous magazine into the depot, and an overflow
+/// that finds the depot full again and spills to the retire queue. Thread B runs the
+/// ladder's flush as the pool runs it for other threads: steal A's cache into the retire
+/// queue, then empty the depot into it. Invariants: no block is ever in two places (the
+/// tags), and at the end every block is in exactly one tier.
+#[test]
+fn an_out_of_memory_flush_racing_allocations_keeps_every_block_once() {
+    loom::model(|| {
+        let collector = Arc::new(Collector::new());
+        let depot = Arc::new(Depot::new(1));
+        let retire: Arc<StreamRetire<()>> = Arc::new(StreamRetire::new());
+        let tags = Arc::new(Tags::new(&[FREE, FREE, TAKEN, TAKEN]));
+        let cs = {
+            let h = collector.register();
+            let mut m = Magazine::boxed();
+            assert!(m.push(1, 1));
+            depot.put_full(m, &h.pin()).unwrap();
+            Arc::new(filled_cache(&[0], 1, &depot, &h))
+        };
+        let a = {
+            let (cs, depot, retire, tags, c) =
+                (cs.clone(), depot.clone(), retire.clone(), tags.clone(), collector.clone());
+            thread::spawn(move || {
+                let h = c.register();
+                let mut held = vec![2, 3];
+                for _ in 0..2 {
+                    if let Some(x) = alloc(&cs, &depot, &h) {
+                        tags.removed(x);
+                        held.push(x);
+                    }
+                }
+                for x in held {
+                    // Tagged before the push: once in the cache (or, through an overflow,
+                    // the depot) a thief may take it.
+                    tags.inserted(x);
+                    for spilled in free(&cs, slot(1), x, &depot, &h) {
+                        tags.removed(spilled);
+                        tags.inserted(spilled);
+                        retire.free(span(spilled));
+                    }
+                }
+            })
+        };
+        let h = collector.register();
+        // B: other threads' idle caches (`steal_idle_caches`)...
+        let mut out = Vec::new();
+        cs.try_steal(|c| {
+            let g = h.pin();
+            // SAFETY: try_steal holds the handshake while this runs.
+            unsafe {
+                c.drain(
+                    &[],
+                    false,
+                    |_, x| {
+                        tags.removed(x);
+                        out.push(x);
+                    },
+                    |_| SIZE,
+                    &g,
+                )
+            }
+        });
+        // ... and the depots (`flush_depots`), magazine by magazine.
+        {
+            let g = h.pin();
+            while let Some(mut m) = depot.take_full(&g) {
+                m.drain(|x| {
+                    tags.removed(x);
+                    out.push(x);
+                });
+                depot.put_empty(m, &g);
+            }
+        }
+        for x in out {
+            tags.inserted(x);
+            retire.free(span(x));
+        }
+        a.join().unwrap();
+        assert!(tags.all_free(), "every block ends in a tier");
+        let mut all = cache_contents(&cs);
+        all.extend(depot_contents(&depot, &h));
+        all.extend(retire_contents(&retire, &h));
+        assert_exactly_once(all, &[0, 1, 2, 3]);
+    });
+}
