@@ -722,7 +722,7 @@ fn caches_under_16_threads_and_6_streams() {
     assert!(out.hops > 0 && out.host_fn_drops > 0 && out.cross_thread_drops > 0);
     assert!(out.stream_cache_allocs > 0 && out.stream_cache_allocs < out.allocs, "both ways of allocating ran");
     assert!(out.midway_trim.is_some(), "the midway trim ran");
-    assert!(st.t0_hits > 0 && st.t1_hits > 0, "the caches hit: {st:?}");
+    assert!(st.t0_hits > 0, "the thread caches hit: {st:?}");
     assert!(st.ladder_flushes > 0 && st.ladder_maps > 0, "the ladder ran: {st:?}");
     assert!(st.peak_reserved_bytes <= 384 << 20, "mapped past max_reserved: {st:?}");
     assert_eq!((st.allocated_bytes, st.live_blocks), (0, 0), "every block was dropped");

@@ -333,7 +333,17 @@ impl Memo {
 
 crate::sync::thread_local! {
     static LOCAL: Local = Local::default();
+}
+
+// `const` initialisation makes the memo's access a plain thread-local address; loom's macro
+// has no `const` form.
+#[cfg(not(loom))]
+crate::sync::thread_local! {
     static MEMO: Memo = const { Memo::new() };
+}
+#[cfg(loom)]
+crate::sync::thread_local! {
+    static MEMO: Memo = Memo::new();
 }
 
 /// This thread's cache for (`pool`, `stream`), made on first use; remembered as the last
