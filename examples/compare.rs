@@ -1,0 +1,803 @@
+//! vrampool against the allocators it replaces, on a real GPU, in one run on the same
+//! workloads (DESIGN.md §7's harness: a pair is one alloc + one free):
+//!
+//! - **vrampool**: `Pool` with `PoolConfig::default()`, through a `StreamCache` per thread;
+//!   blocks are dropped (stream-ordered free).
+//! - **cuMemAlloc/cuMemFree**: the synchronous driver calls.
+//! - **cuMemAllocAsync/cuMemFreeAsync**: on the thread's stream, from the device's default
+//!   memory pool with its release threshold set to `u64::MAX` (so it caches), warmed up.
+//! - **mutex best-fit**: `benches/support/bestfit.rs` over one big `cuMemAlloc` range: host
+//!   bookkeeping only, frees at once (no stream ordering), the classic design.
+//!
+//! Workloads: the hot pair (1 MiB, one thread, best of 3), the random window (1, 4 and 16
+//! threads, each its own stream, 64 live blocks, sizes log-uniform 256 B – 4 MiB drawn before
+//! timing) and the three traces of `benches/traces`. Each measurement runs for a fixed time
+//! (the iteration count follows from it), so every allocator gets ~0.4–0.8 s however slow
+//! it is; `--quick` runs every measurement 10× shorter.
+//!
+//! ```text
+//! cargo run --release --example compare [-- --quick]
+//! ```
+//!
+//! Without a GPU it says so and exits 0. A failing driver call is printed and exits 1.
+
+#[path = "../benches/support/bestfit.rs"]
+mod bestfit;
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CStr};
+use std::hint::black_box;
+use std::io::BufReader;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use bestfit::BestFit;
+use cudarc::driver::sys;
+use vrampool::replay::{replay, Report, Trace};
+use vrampool::{Block, CudaDevice, Device, Pool, PoolConfig, Stats, Stream, StreamCache};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+/// The hot pair's size.
+const HOT: usize = 1 << 20;
+/// Live blocks per thread in the random window.
+const WINDOW: usize = 64;
+/// Thread counts of the random window.
+const THREADS: [usize; 3] = [1, 4, 16];
+/// The best-fit baseline's range, one `cuMemAlloc` (train_gpt2 peaks at 5.5 GiB live).
+const BESTFIT_RANGE: u64 = 16 * GIB;
+const TRACES: [&str; 3] = ["gpt2_decode", "resnet_varbatch", "train_gpt2"];
+/// Peak reserved ÷ peak live under PyTorch's caching allocator (benches/traces/README.md).
+const PYTORCH_RATIO: [f64; 3] = [1.160, 1.493, 1.271];
+
+/// Driver calls this program makes itself, beyond those `CudaDevice` checks: cudarc's loader
+/// panics on a missing symbol, so they are looked up before the first call.
+const SYMBOLS: &[&str] = &[
+    "cuDriverGetVersion",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
+    "cuMemAllocAsync",
+    "cuMemFreeAsync",
+    "cuDeviceGetDefaultMemPool",
+    "cuMemPoolSetAttribute",
+    "cuMemPoolGetAttribute",
+    "cuMemPoolTrimTo",
+];
+
+// ---------------------------------------------------------------------------------------
+// Failing: print and exit non-zero, from any thread.
+
+#[cold]
+#[inline(never)]
+fn die(what: &str) -> ! {
+    eprintln!("compare: {what}");
+    std::process::exit(1);
+}
+
+#[cold]
+#[inline(never)]
+fn die_cu(call: &str, rc: sys::CUresult) -> ! {
+    let mut name: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: writes a pointer to a static string, or leaves it null.
+    let named = unsafe { sys::cuGetErrorName(rc, &mut name) } == sys::CUresult::CUDA_SUCCESS && !name.is_null();
+    let text = if named {
+        // SAFETY: the driver returned a NUL-terminated static string.
+        unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned()
+    } else {
+        format!("{rc:?}")
+    };
+    die(&format!("{call} failed: {text} ({})", rc as i32))
+}
+
+#[inline(always)]
+fn ck(call: &str, rc: sys::CUresult) {
+    if rc != sys::CUresult::CUDA_SUCCESS {
+        die_cu(call, rc);
+    }
+}
+
+#[inline(always)]
+fn or_die<T>(what: &str, r: vrampool::Result<T>) -> T {
+    match r {
+        Ok(v) => v,
+        Err(e) => die(&format!("{what}: {e}")),
+    }
+}
+
+fn symbols_present() -> Result<(), String> {
+    let looked_up = std::panic::catch_unwind(|| {
+        // SAFETY: CudaDevice::new succeeded, so the library loads; culib opens it once.
+        let lib = unsafe { sys::culib() };
+        SYMBOLS
+            .iter()
+            // SAFETY: the symbol is only looked up, never called through this type.
+            .filter(|name| unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err())
+            .copied()
+            .collect::<Vec<_>>()
+    });
+    match looked_up {
+        Ok(missing) if missing.is_empty() => Ok(()),
+        Ok(missing) => Err(format!("the CUDA driver lacks {}", missing.join(", "))),
+        Err(_) => Err("the CUDA driver library could not be loaded".into()),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Sizes, drawn before timing (as benches/pool.rs).
+
+struct Rng {
+    state: u64,
+    sizes: Vec<usize>,
+    i: usize,
+}
+
+impl Rng {
+    const TABLE: usize = 1 << 16;
+
+    fn new(seed: u64) -> Rng {
+        let mut x = seed | 1;
+        let sizes = (0..Self::TABLE)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                // Log-uniform in [256 B, 4 MiB).
+                let u = (x >> 11) as f64 / (1u64 << 53) as f64;
+                (256.0 * (16384.0f64).powf(u)) as usize
+            })
+            .collect();
+        Rng { state: x, sizes, i: 0 }
+    }
+
+    #[inline(always)]
+    fn next(&mut self) -> u64 {
+        self.state ^= self.state << 13;
+        self.state ^= self.state >> 7;
+        self.state ^= self.state << 17;
+        self.state
+    }
+
+    #[inline(always)]
+    fn size(&mut self) -> usize {
+        self.i = (self.i + 1) & (Self::TABLE - 1);
+        self.sizes[self.i]
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The allocators, behind one interface so every workload is the same code for all of them.
+
+trait Worker {
+    type H;
+    /// Pairs between two looks at the clock or the stop flag.
+    const CHUNK: u64;
+    /// Untimed random-window iterations before the measurement.
+    const WARM: u64;
+    fn alloc(&mut self, bytes: usize) -> Self::H;
+    fn free(&mut self, h: Self::H);
+    /// Wait until the work this worker enqueued is done.
+    fn sync(&mut self);
+}
+
+/// vrampool through the calling thread's cache for its stream.
+struct Vram<'a> {
+    cache: StreamCache,
+    dev: &'a CudaDevice,
+    stream: &'a Stream,
+}
+
+impl Worker for Vram<'_> {
+    type H = Block;
+    const CHUNK: u64 = 64;
+    const WARM: u64 = 20_000;
+    #[inline(always)]
+    fn alloc(&mut self, bytes: usize) -> Block {
+        match self.cache.alloc(bytes) {
+            Ok(b) => b,
+            Err(e) => die(&format!("vrampool alloc of {bytes} B: {e}")),
+        }
+    }
+    #[inline(always)]
+    fn free(&mut self, b: Block) {
+        drop(b);
+    }
+    fn sync(&mut self) {
+        or_die("synchronize", self.dev.synchronize(self.stream));
+    }
+}
+
+/// cuMemAlloc/cuMemFree: synchronous, no stream.
+struct CuMem;
+
+impl Worker for CuMem {
+    type H = u64;
+    const CHUNK: u64 = 1;
+    const WARM: u64 = 32;
+    #[inline(always)]
+    fn alloc(&mut self, bytes: usize) -> u64 {
+        let mut p: sys::CUdeviceptr = 0;
+        // SAFETY: writes one device pointer; the context is current on this thread.
+        ck("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut p, bytes) });
+        p
+    }
+    #[inline(always)]
+    fn free(&mut self, p: u64) {
+        // SAFETY: `p` came from cuMemAlloc and is freed once; nothing uses it.
+        ck("cuMemFree", unsafe { sys::cuMemFree_v2(p) });
+    }
+    fn sync(&mut self) {}
+}
+
+/// cuMemAllocAsync/cuMemFreeAsync on one stream, from the device's current (default) pool.
+struct CuAsync<'a> {
+    raw: sys::CUstream,
+    dev: &'a CudaDevice,
+    stream: &'a Stream,
+}
+
+impl<'a> CuAsync<'a> {
+    fn new(dev: &'a CudaDevice, stream: &'a Stream) -> Self {
+        CuAsync { raw: stream.raw() as sys::CUstream, dev, stream }
+    }
+}
+
+impl Worker for CuAsync<'_> {
+    type H = u64;
+    const CHUNK: u64 = 16;
+    const WARM: u64 = 2_000;
+    #[inline(always)]
+    fn alloc(&mut self, bytes: usize) -> u64 {
+        let mut p: sys::CUdeviceptr = 0;
+        // SAFETY: a live stream of the current context; writes one device pointer.
+        ck("cuMemAllocAsync", unsafe { sys::cuMemAllocAsync(&mut p, bytes, self.raw) });
+        p
+    }
+    #[inline(always)]
+    fn free(&mut self, p: u64) {
+        // SAFETY: `p` came from cuMemAllocAsync and is freed once, in stream order.
+        ck("cuMemFreeAsync", unsafe { sys::cuMemFreeAsync(p, self.raw) });
+    }
+    fn sync(&mut self) {
+        or_die("synchronize", self.dev.synchronize(self.stream));
+    }
+}
+
+/// The mutex best-fit pool over a `cuMemAlloc` range; tracks the highest address it handed out.
+struct Bf<'a> {
+    bf: &'a BestFit,
+    high: u64,
+}
+
+impl Worker for Bf<'_> {
+    type H = (u64, u64);
+    const CHUNK: u64 = 64;
+    const WARM: u64 = 20_000;
+    #[inline(always)]
+    fn alloc(&mut self, bytes: usize) -> (u64, u64) {
+        let s = bytes as u64;
+        match self.bf.alloc(s) {
+            Some(a) => {
+                self.high = self.high.max(a + s.next_multiple_of(256));
+                (a, s)
+            }
+            None => die(&format!("best-fit: no room for {bytes} B in its {} GiB range", BESTFIT_RANGE / GIB)),
+        }
+    }
+    #[inline(always)]
+    fn free(&mut self, (a, s): (u64, u64)) {
+        self.bf.free(a, s);
+    }
+    fn sync(&mut self) {}
+}
+
+// ---------------------------------------------------------------------------------------
+// Workloads.
+
+/// One timed run of the hot pair: ns per pair.
+fn hot_once<W: Worker>(w: &mut W, dur: Duration) -> (f64, u64) {
+    let start = Instant::now();
+    let mut pairs = 0u64;
+    loop {
+        for _ in 0..W::CHUNK {
+            let h = w.alloc(black_box(HOT));
+            w.free(black_box(h));
+        }
+        pairs += W::CHUNK;
+        if start.elapsed() >= dur {
+            break;
+        }
+    }
+    w.sync();
+    (start.elapsed().as_nanos() as f64 / pairs as f64, pairs)
+}
+
+/// A warm-up run, then the best of three: (ns per pair, pairs of the best run).
+fn hot<W: Worker>(w: &mut W, dur: Duration) -> (f64, u64) {
+    hot_once(w, dur / 4);
+    (0..3).map(|_| hot_once(w, dur)).fold((f64::INFINITY, 0), |a, b| if b.0 < a.0 { b } else { a })
+}
+
+#[inline(always)]
+fn step<W: Worker>(w: &mut W, slots: &mut [W::H], rng: &mut Rng) {
+    let i = (rng.next() % WINDOW as u64) as usize;
+    let fresh = w.alloc(rng.size());
+    let old = std::mem::replace(&mut slots[i], fresh);
+    w.free(old);
+}
+
+/// What a multi-threaded run measured.
+struct Run {
+    threads: usize,
+    pairs: u64,
+    /// The slowest thread's time.
+    wall: Duration,
+}
+
+impl Run {
+    /// Nanoseconds per pair, per thread.
+    fn ns(&self) -> f64 {
+        self.wall.as_nanos() as f64 * self.threads as f64 / self.pairs.max(1) as f64
+    }
+    /// Aggregate pairs per second, in millions.
+    fn mps(&self) -> f64 {
+        self.pairs as f64 / self.wall.as_secs_f64() / 1e6
+    }
+}
+
+/// `threads` threads, thread t on `streams[t]` with the worker `make` gives it: each fills its
+/// window, warms up, waits for the others, then replaces random blocks until told to stop.
+fn window<'a, W, F>(dev: &'a CudaDevice, streams: &'a [Stream], threads: usize, dur: Duration, make: F) -> Run
+where
+    W: Worker,
+    F: Fn(&'a Stream) -> W + Sync,
+{
+    let barrier = Barrier::new(threads + 1);
+    let stop = AtomicBool::new(false);
+    let results: Vec<(u64, Duration)> = std::thread::scope(|sc| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let (barrier, stop, make, stream) = (&barrier, &stop, &make, &streams[t]);
+                sc.spawn(move || {
+                    or_die("bind the primary context", dev.bind_context());
+                    let mut w = make(stream);
+                    let mut rng = Rng::new(0x9e37_79b9_7f4a_7c15 ^ (t as u64 + 1));
+                    let mut slots: Vec<W::H> = (0..WINDOW).map(|_| w.alloc(rng.size())).collect();
+                    for _ in 0..W::WARM {
+                        step(&mut w, &mut slots, &mut rng);
+                    }
+                    w.sync();
+                    barrier.wait();
+                    let start = Instant::now();
+                    let mut pairs = 0u64;
+                    // Relaxed: the flag only ends the loop; the counts travel through join.
+                    while !stop.load(Ordering::Relaxed) {
+                        for _ in 0..W::CHUNK {
+                            step(&mut w, &mut slots, &mut rng);
+                        }
+                        pairs += W::CHUNK;
+                    }
+                    w.sync();
+                    let took = start.elapsed();
+                    for h in slots {
+                        w.free(h);
+                    }
+                    w.sync();
+                    (pairs, took)
+                })
+            })
+            .collect();
+        barrier.wait();
+        std::thread::sleep(dur);
+        stop.store(true, Ordering::Relaxed);
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| die("a worker thread panicked"))).collect()
+    });
+    let pairs = results.iter().map(|r| r.0).sum();
+    let wall = results.iter().map(|r| r.1).max().unwrap_or_default();
+    Run { threads, pairs, wall }
+}
+
+/// A trace replayed through raw allocators, with the same bookkeeping as `vrampool::replay`
+/// (hash maps of streams and live ids), so the harness costs each allocator the same.
+/// `workers[lanes[stream]]` serves the trace's stream; a free goes to the freeing stream's
+/// worker. Stops early past `cap`. Returns (events done, time including the final syncs).
+fn replay_raw<W: Worker>(
+    trace: &Trace,
+    workers: &mut [W],
+    lanes: &HashMap<u32, usize>,
+    cap: Duration,
+) -> (usize, Duration) {
+    let mut live: HashMap<u64, (W::H, usize)> = HashMap::with_capacity(1024);
+    let start = Instant::now();
+    let mut done = 0usize;
+    for op in &trace.ops {
+        if done % 256 == 0 && start.elapsed() > cap {
+            break;
+        }
+        done += 1;
+        let Some(&lane) = lanes.get(&op.stream) else { continue };
+        if op.alloc {
+            // A zero-byte request is refused by the driver; one byte stands in for it.
+            let h = workers[lane].alloc(op.size.max(1));
+            if let Some((old, _)) = live.insert(op.id, (h, lane)) {
+                // An id allocated twice: the trace lost a free; the older block goes.
+                workers[lane].free(old);
+            }
+        } else if let Some((h, _)) = live.remove(&op.id) {
+            workers[lane].free(h);
+        }
+    }
+    for w in workers.iter_mut() {
+        w.sync();
+    }
+    let elapsed = start.elapsed();
+    for (_, (h, lane)) in live.drain() {
+        workers[lane].free(h);
+    }
+    for w in workers.iter_mut() {
+        w.sync();
+    }
+    (done, elapsed)
+}
+
+// ---------------------------------------------------------------------------------------
+// The driver's default memory pool.
+
+struct MemPool(sys::CUmemoryPool);
+
+impl MemPool {
+    fn default_of(dev: &CudaDevice) -> MemPool {
+        let mut p: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: writes the device's default pool handle.
+        ck("cuDeviceGetDefaultMemPool", unsafe { sys::cuDeviceGetDefaultMemPool(&mut p, dev.device_raw()) });
+        MemPool(p)
+    }
+
+    fn set(&self, attr: sys::CUmemPool_attribute, mut v: u64) {
+        // SAFETY: both attributes set here take a cuuint64_t.
+        ck("cuMemPoolSetAttribute", unsafe { sys::cuMemPoolSetAttribute(self.0, attr, (&mut v as *mut u64).cast()) });
+    }
+
+    fn get(&self, attr: sys::CUmemPool_attribute) -> u64 {
+        let mut v = 0u64;
+        // SAFETY: the attributes read here are cuuint64_t.
+        ck("cuMemPoolGetAttribute", unsafe {
+            sys::cuMemPoolGetAttribute(self.0, attr, (&mut v as *mut u64).cast::<c_void>())
+        });
+        v
+    }
+
+    /// Give back every reserved byte no allocation uses (the caller has synchronized).
+    fn trim(&self) {
+        // SAFETY: a live pool; only unused memory is released.
+        ck("cuMemPoolTrimTo", unsafe { sys::cuMemPoolTrimTo(self.0, 0) });
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Output.
+
+const NAMES: [&str; 4] = ["vrampool", "cuMemAlloc/cuMemFree", "cuMemAllocAsync (pool)", "mutex best-fit"];
+
+fn versus(ns: f64, vram_ns: f64) -> String {
+    if !(ns.is_finite() && vram_ns.is_finite() && ns > 0.0 && vram_ns > 0.0) {
+        return "—".into();
+    }
+    let r = ns / vram_ns;
+    if r >= 1.0 {
+        format!("{r:.1}× slower")
+    } else {
+        format!("{:.1}× faster", 1.0 / r)
+    }
+}
+
+fn ns_text(ns: f64) -> String {
+    if ns >= 100_000.0 {
+        format!("{:.1} µs", ns / 1e3)
+    } else {
+        format!("{ns:.1} ns")
+    }
+}
+
+fn now_utc() -> String {
+    match std::process::Command::new("date").arg("-u").arg("+%Y-%m-%d %H:%M:%S UTC").output() {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).trim().to_string(),
+        _ => {
+            let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+            format!("{secs} s since 1970 UTC")
+        }
+    }
+}
+
+fn load_trace(name: &str) -> Option<Trace> {
+    let candidates = [
+        format!("{}/benches/traces/{name}.csv.gz", env!("CARGO_MANIFEST_DIR")),
+        format!("benches/traces/{name}.csv.gz"),
+    ];
+    let Some(path) = candidates.iter().find(|p| std::path::Path::new(p).exists()) else {
+        println!("trace {name}: not found under benches/traces; skipped");
+        return None;
+    };
+    let parsed = std::fs::File::open(path)
+        .map_err(|e| e.to_string())
+        .and_then(|f| Trace::parse(BufReader::new(flate2::read::GzDecoder::new(f))).map_err(|e| e.to_string()));
+    match parsed {
+        Ok(t) => Some(t),
+        Err(e) => {
+            println!("trace {name}: {path}: {e}; skipped");
+            None
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+
+fn main() {
+    let mut quick = false;
+    for a in std::env::args().skip(1) {
+        match a.as_str() {
+            "--quick" => quick = true,
+            _ => {
+                eprintln!("usage: compare [--quick]");
+                std::process::exit(2);
+            }
+        }
+    }
+    let dev = match CudaDevice::new(0) {
+        Ok(d) => d,
+        Err(e) => {
+            println!("compare: no CUDA GPU here ({e}); nothing to measure");
+            return;
+        }
+    };
+    if let Err(e) = symbols_present() {
+        die(&e);
+    }
+    or_die("bind the primary context", dev.bind_context());
+    let mut driver = 0i32;
+    // SAFETY: writes one int.
+    ck("cuDriverGetVersion", unsafe { sys::cuDriverGetVersion(&mut driver) });
+    let driver = format!("{}.{}", driver / 1000, (driver % 1000) / 10);
+    let scale = if quick { 10 } else { 1 };
+    let hot_dur = Duration::from_millis(400) / scale;
+    let win_dur = Duration::from_millis(800) / scale;
+    // cuMemAlloc replays: skipped when the hot-pair figure predicts more than this, cut at `cap`.
+    let (cu_skip, cu_cap) = (Duration::from_secs(20) / scale, Duration::from_secs(20) / scale);
+    let began = Instant::now();
+    println!(
+        "compare: {} ({:.0} GiB), driver {driver}{}",
+        dev.name(),
+        dev.total_memory() as f64 / GIB as f64,
+        if quick { "; --quick: every measurement 10× shorter" } else { "" }
+    );
+
+    let traces: Vec<(usize, Trace)> = (0..TRACES.len()).filter_map(|i| load_trace(TRACES[i]).map(|t| (i, t))).collect();
+
+    // The driver's pool caches everything, and is warmed up.
+    let mempool = MemPool::default_of(&dev);
+    mempool.set(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, u64::MAX);
+    {
+        let s = or_die("create a stream", dev.create_stream());
+        let mut w = CuAsync::new(&dev, &s);
+        let mut rng = Rng::new(7);
+        let mut blocks: Vec<u64> = (0..256).map(|_| w.alloc(rng.size())).collect();
+        blocks.extend((0..16).map(|_| w.alloc(HOT)));
+        for p in blocks {
+            w.free(p);
+        }
+        w.sync();
+        or_die("destroy a stream", dev.destroy_stream(&s));
+    }
+
+    // The best-fit baseline's range.
+    let mut bf_base: sys::CUdeviceptr = 0;
+    // SAFETY: writes one device pointer; the context is current.
+    ck("cuMemAlloc (best-fit range)", unsafe { sys::cuMemAlloc_v2(&mut bf_base, BESTFIT_RANGE as usize) });
+    let bf = BestFit::new(bf_base, BESTFIT_RANGE);
+
+    let pool = or_die("Pool::new", Pool::new(dev.clone(), PoolConfig::default()));
+
+    // ---- hot pair
+    println!();
+    println!(
+        "== hot pair: alloc + free of 1 MiB, one thread, one stream (best of 3 runs of {:.2} s) ==",
+        hot_dur.as_secs_f64()
+    );
+    println!("{:<24} {:>7} {:>12} {:>11} {:>10}  vs vrampool", "allocator", "threads", "ns/pair", "M pairs/s", "pairs");
+    let hot_stream = or_die("create a stream", dev.create_stream());
+    let hot_results: [(f64, u64); 4] = {
+        let cache = or_die("stream_cache", pool.stream_cache(&hot_stream));
+        let v = hot(&mut Vram { cache, dev: &dev, stream: &hot_stream }, hot_dur);
+        let c = hot(&mut CuMem, hot_dur);
+        let a = hot(&mut CuAsync::new(&dev, &hot_stream), hot_dur);
+        let b = hot(&mut Bf { bf: &bf, high: 0 }, hot_dur);
+        [v, c, a, b]
+    };
+    pool.flush_thread_cache();
+    or_die("synchronize", dev.synchronize(&hot_stream));
+    or_die("destroy a stream", dev.destroy_stream(&hot_stream));
+    for (i, &(ns, pairs)) in hot_results.iter().enumerate() {
+        let vs = if i == 0 { "—".to_string() } else { versus(ns, hot_results[0].0) };
+        println!("{:<24} {:>7} {:>12} {:>11.3} {:>10}  {vs}", NAMES[i], 1, ns_text(ns), 1e3 / ns, pairs);
+    }
+    let cu_hot_ns = hot_results[1].0;
+
+    // ---- random window
+    println!();
+    println!(
+        "== random window: each thread its own stream, {WINDOW} live blocks, sizes log-uniform 256 B – 4 MiB; \
+         {:.2} s per run after the windows are full ==",
+        win_dur.as_secs_f64()
+    );
+    println!("   (ns/pair per thread = slowest thread's time ÷ its pairs; aggregate = all pairs ÷ that time)");
+    println!("{:<24} {:>7} {:>12} {:>11} {:>10}  vs vrampool", "allocator", "threads", "ns/pair", "M pairs/s", "pairs");
+    let streams: Vec<Stream> =
+        (0..THREADS[THREADS.len() - 1]).map(|_| or_die("create a stream", dev.create_stream())).collect();
+    let mut vram_runs = Vec::new();
+    for &t in &THREADS {
+        let runs = [
+            window(&dev, &streams, t, win_dur, |s| Vram {
+                cache: or_die("stream_cache", pool.stream_cache(s)),
+                dev: &dev,
+                stream: s,
+            }),
+            window(&dev, &streams, t, win_dur, |_| CuMem),
+            window(&dev, &streams, t, win_dur, |s| CuAsync::new(&dev, s)),
+            window(&dev, &streams, t, win_dur, |_| Bf { bf: &bf, high: 0 }),
+        ];
+        for (i, r) in runs.iter().enumerate() {
+            let vs = if i == 0 { "—".to_string() } else { versus(r.ns(), runs[0].ns()) };
+            println!(
+                "{:<24} {:>7} {:>12} {:>11.3} {:>10}  {vs}",
+                NAMES[i],
+                r.threads,
+                ns_text(r.ns()),
+                r.mps(),
+                r.pairs
+            );
+        }
+        vram_runs.push(runs.into_iter().next().unwrap_or(Run { threads: t, pairs: 0, wall: Duration::ZERO }));
+    }
+    if let (Some(one), Some(many)) = (vram_runs.first(), vram_runs.last()) {
+        println!(
+            "vrampool scaling: {}-thread aggregate ÷ 1-thread throughput = {:.2}× ({:.2} ÷ {:.2} M pairs/s)",
+            many.threads,
+            many.mps() / one.mps(),
+            many.mps(),
+            one.mps()
+        );
+    }
+    for s in &streams {
+        or_die("synchronize", dev.synchronize(s));
+        or_die("destroy a stream", dev.destroy_stream(s));
+    }
+    drop(streams);
+    let pool_stats: Stats = pool.stats();
+    or_die("pool trim", pool.trim());
+    drop(pool);
+
+    // ---- trace replay
+    println!();
+    println!("== trace replay (benches/traces; time per event, alloc or free, one pass) ==");
+    println!(
+        "   vrampool (fresh pool) and cuMemAllocAsync (pool trimmed to 0) start with nothing mapped: their growth"
+    );
+    println!(
+        "   is timed; best-fit's range was allocated beforehand; cuMemAlloc is cut after {:.0} s",
+        cu_cap.as_secs_f64()
+    );
+    println!("   reserved ÷ live: vrampool peak mapped, cuMemAllocAsync the pool's RESERVED_MEM_HIGH,");
+    println!("   best-fit the highest address used in its one range (no segments); live = sum of sizes asked");
+    println!(
+        "{:<16} {:<24} {:>8} {:>12}  {:<15} {:>10} {:>13} {:>9}",
+        "trace", "allocator", "events", "ns/event", "vs vrampool", "peak live", "peak reserved", "res÷live"
+    );
+    let adev: Arc<dyn Device> = Arc::new(dev.clone());
+    let mut replay_stats: Vec<(&str, Report)> = Vec::new();
+    for (ti, trace) in &traces {
+        let name = TRACES[*ti];
+        let peak_live = trace.peak_live();
+        let mib = |b: u64| format!("{:.1} MiB", b as f64 / MIB as f64);
+        let row = |alloc: &str, events: String, ns: f64, vs: String, reserved: Option<u64>| {
+            let (res, ratio) = match reserved {
+                Some(r) => (mib(r), format!("{:.3}", r as f64 / peak_live.max(1) as f64)),
+                None => ("—".to_string(), "—".to_string()),
+            };
+            println!(
+                "{name:<16} {alloc:<24} {events:>8} {:>12}  {vs:<15} {:>10} {res:>13} {ratio:>9}",
+                ns_text(ns),
+                mib(peak_live)
+            );
+        };
+        let mut lanes: HashMap<u32, usize> = HashMap::new();
+        for op in &trace.ops {
+            let n = lanes.len();
+            lanes.entry(op.stream).or_insert(n);
+        }
+        let one_lane: HashMap<u32, usize> = lanes.keys().map(|&k| (k, 0)).collect();
+
+        // vrampool, through the library's replay.
+        let r = or_die("vrampool replay", replay(trace, &adev, PoolConfig::default()));
+        let vram_ns = r.ns_per_op();
+        row(NAMES[0], r.events.to_string(), vram_ns, "—".into(), Some(r.peak_reserved));
+
+        // cuMemAlloc, unless the hot-pair figure says it would take too long.
+        let allocs = trace.ops.iter().filter(|o| o.alloc).count();
+        let estimate = Duration::from_secs_f64(allocs as f64 * cu_hot_ns / 1e9);
+        if estimate > cu_skip {
+            println!(
+                "{name:<16} {:<24} skipped: ~{:.0} s estimated from the hot pair ({allocs} pairs × {})",
+                NAMES[1],
+                estimate.as_secs_f64(),
+                ns_text(cu_hot_ns)
+            );
+        } else {
+            let (done, took) = replay_raw(trace, &mut [CuMem], &one_lane, cu_cap);
+            let ns = took.as_nanos() as f64 / done.max(1) as f64;
+            let events = if done < trace.ops.len() { format!("{done}*") } else { done.to_string() };
+            row(NAMES[1], events, ns, versus(ns, vram_ns), None);
+            if done < trace.ops.len() {
+                println!("{:<16} * stopped after {:.1} s", "", cu_cap.as_secs_f64());
+            }
+        }
+
+        // cuMemAllocAsync, one stream per trace stream, from an empty pool.
+        let tstreams: Vec<Stream> = (0..lanes.len()).map(|_| or_die("create a stream", dev.create_stream())).collect();
+        mempool.trim();
+        mempool.set(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, 0);
+        let mut workers: Vec<CuAsync> = tstreams.iter().map(|s| CuAsync::new(&dev, s)).collect();
+        let (done, took) = replay_raw(trace, &mut workers, &lanes, Duration::from_secs(600));
+        let high = mempool.get(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH);
+        drop(workers);
+        for s in &tstreams {
+            or_die("destroy a stream", dev.destroy_stream(s));
+        }
+        mempool.trim();
+        let ns = took.as_nanos() as f64 / done.max(1) as f64;
+        row(NAMES[2], done.to_string(), ns, versus(ns, vram_ns), Some(high));
+
+        // Best-fit over its range.
+        let mut w = [Bf { bf: &bf, high: bf_base }];
+        let (done, took) = replay_raw(trace, &mut w, &one_lane, Duration::from_secs(600));
+        let ns = took.as_nanos() as f64 / done.max(1) as f64;
+        row(NAMES[3], done.to_string(), ns, versus(ns, vram_ns), Some(w[0].high - bf_base));
+        println!(
+            "{name:<16} {:<24} {:>8} {:>12}  {:<15} {:>10} {:>13} {:>9.3}",
+            "PyTorch (recorded)", "", "", "", "", "", PYTORCH_RATIO[*ti]
+        );
+        replay_stats.push((name, r));
+    }
+
+    // ---- the end
+    // SAFETY: the best-fit range was only ever bookkeeping; no work uses it.
+    ck("cuMemFree (best-fit range)", unsafe { sys::cuMemFree_v2(bf_base) });
+    mempool.trim();
+    println!();
+    println!(
+        "vrampool stats (hot pair + random window): T0 hit rate {:.4}, T1 hit rate {:.4}, {} allocs, \
+         {} events recorded, {} batches retired, peak reserved {:.1} MiB",
+        pool_stats.t0_hit_rate(),
+        pool_stats.t1_hit_rate(),
+        pool_stats.allocs,
+        pool_stats.events_recorded,
+        pool_stats.batches_retired,
+        pool_stats.peak_reserved_bytes as f64 / MIB as f64
+    );
+    for (name, r) in &replay_stats {
+        println!(
+            "vrampool stats ({name} replay): T0 hit rate {:.4}, T1 hit rate {:.4}, {} events recorded, {} batches retired",
+            r.stats.t0_hit_rate(),
+            r.stats.t1_hit_rate(),
+            r.stats.events_recorded,
+            r.stats.batches_retired
+        );
+    }
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    println!(
+        "machine: {} ({:.0} GiB, driver {driver}), {cpus} CPUs, {}; run took {:.1} s",
+        dev.name(),
+        dev.total_memory() as f64 / GIB as f64,
+        now_utc(),
+        began.elapsed().as_secs_f64()
+    );
+}
