@@ -1,6 +1,6 @@
 //! The Pool API as a user sees it, on the simulated device.
 
-use vrampool::{Block, Error, Pool, PoolConfig, SimDevice, Stats, Stream};
+use vrampool::{Block, Device, Error, Pool, PoolConfig, SimDevice, Stats, Stream};
 
 fn pool(capacity: u64) -> (SimDevice, Pool, Stream) {
     let dev = SimDevice::new(capacity);
@@ -186,4 +186,44 @@ fn a_block_dropped_inside_a_host_function_makes_no_cache_on_the_drivers_thread()
     pool.trim().unwrap();
     pool.check().unwrap();
     assert_eq!(pool.stats().reserved_bytes, 0);
+}
+
+#[test]
+fn a_destroyed_streams_cached_blocks_all_come_back() {
+    // Blocks freed on a stream that is then destroyed sit in its thread caches and depots;
+    // once its final event completes they must reach the arena, and blocks freed after the
+    // stream's state is gone must too.
+    let dev = SimDevice::new(4 << 30);
+    let pool = Pool::new(dev.clone(), PoolConfig::default()).unwrap();
+    let copy = dev.new_stream().unwrap();
+    let mut late = Vec::new();
+    std::thread::scope(|sc| {
+        let handles: Vec<_> = (0..3usize)
+            .map(|w| {
+                let (pool, dev, copy) = (&pool, &dev, &copy);
+                sc.spawn(move || {
+                    let s = dev.new_stream().unwrap();
+                    for i in 0..500usize {
+                        let live: Vec<Block> = (0..5)
+                            .map(|j| pool.alloc(4096 + (i * 7 + j * 13 + w) % 97 * 40_000, &s).unwrap())
+                            .collect();
+                        live[0].record_stream(copy);
+                    }
+                    let keep = pool.alloc(1 << 20, &s).unwrap();
+                    dev.synchronize(&s).unwrap();
+                    dev.destroy_stream(&s).unwrap();
+                    pool.flush_thread_cache();
+                    keep
+                })
+            })
+            .collect();
+        late.extend(handles.into_iter().map(|h| h.join().unwrap()));
+    });
+    dev.synchronize(&copy).unwrap();
+    pool.trim().unwrap();
+    drop(late);
+    pool.trim().unwrap();
+    pool.check().unwrap();
+    let st = pool.stats();
+    assert_eq!((st.allocated_bytes, st.reserved_bytes, st.cached_bytes, st.retiring_bytes), (0, 0, 0, 0), "{st:?}");
 }
