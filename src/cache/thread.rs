@@ -94,7 +94,9 @@ pub enum Spill {
 }
 
 /// The part of a thread cache that other threads may reach: the magazines (behind the
-/// handshake), the flags and the counters.
+/// handshake), the flags and the counters. Aligned to its own cache lines: its owner writes
+/// it on every operation, and no other thread's data may share a line with it.
+#[repr(align(128))]
 pub struct CacheShared {
     in_use: AtomicBool,
     steal: AtomicBool,

@@ -32,6 +32,8 @@ fn budget_chunk(config: &super::PoolConfig) -> u64 {
 
 /// One thread's cache for one (pool, stream).
 pub(crate) struct ThreadCache {
+    /// The stream's id, copied here so the hot path never reads the shared stream state.
+    stream_id: StreamId,
     pub(crate) shared: Arc<CacheShared>,
     pub(crate) pool: Arc<PoolInner>,
     pub(crate) stream: Arc<StreamState>,
@@ -43,7 +45,7 @@ impl ThreadCache {
     #[inline(always)]
     fn try_hit(&self, bytes: usize) -> Option<Block> {
         let pool = &*self.pool;
-        let class = class::class_of(bytes as u64).filter(|&c| c < pool.classes)?;
+        let class = class::class_of(bytes as u64).filter(|&c| c < pool.hot.classes)?;
         let size = class::size_of_class(class);
         self.shared.enter_wait();
         // SAFETY: entered above.
@@ -63,7 +65,7 @@ impl ThreadCache {
     fn refill(&self, class: usize, size: u64) -> Option<u64> {
         // A magazine from the depot moves its bytes into this cache: reserve for them first.
         let c = &self.shared.counters;
-        let cap = self.pool.caps[class] as u64;
+        let cap = self.pool.hot.caps[class] as u64;
         self.grow_budget(c.cached_bytes.load(Ordering::Relaxed) + cap * size);
         // SAFETY: the caller entered; `class` is below the pool's class count.
         let hit = unsafe { self.shared.pop_slow(class, size, &self.stream.depots[class], epoch::pin) };
@@ -122,7 +124,7 @@ impl ThreadCache {
     #[inline]
     pub(crate) fn alloc(&self, bytes: usize) -> Result<Block> {
         if bytes == 0 {
-            return Ok(Block::empty(self.stream.stream.id()));
+            return Ok(Block::empty(self.stream_id));
         }
         if let Some(b) = self.try_hit(bytes) {
             return Ok(b);
@@ -136,7 +138,7 @@ impl ThreadCache {
     fn alloc_slow(&self, bytes: usize) -> Result<Block> {
         let pool = &*self.pool;
         let class = match class::class_of(bytes as u64) {
-            Some(c) if c < pool.classes => c,
+            Some(c) if c < pool.hot.classes => c,
             _ => return self.pool.alloc_uncached(bytes, &self.stream, Some(self)),
         };
         let size = class::size_of_class(class);
@@ -158,7 +160,7 @@ impl ThreadCache {
             len,
             size,
             class: class as u32,
-            stream: self.stream.stream.id(),
+            stream: self.stream_id,
             pool: Some(NonNull::from(&*self.pool)),
             used_on: Cell::new(std::ptr::null_mut()),
         }
@@ -167,7 +169,7 @@ impl ThreadCache {
     #[inline(always)]
     fn free(&self, class: usize, size: u64, addr: u64) {
         let pool = &*self.pool;
-        let slot = Slot { class, size, cap: pool.caps[class] as usize };
+        let slot = Slot { class, size, cap: pool.hot.caps[class] as usize };
         self.shared.enter_wait();
         let budget = self.shared.counters.budget.load(Ordering::Relaxed);
         // SAFETY: entered above; the class came from a block of this pool.
@@ -361,6 +363,7 @@ pub(crate) fn cache_for(pool: &Arc<PoolInner>, stream: &Arc<StreamState>) -> Opt
                 return tc;
             }
             let tc = Rc::new(ThreadCache {
+                stream_id: id,
                 shared: pool.register_cache(stream),
                 pool: Arc::clone(pool),
                 stream: Arc::clone(stream),

@@ -43,6 +43,7 @@ use std::fmt;
 use std::sync::{Arc, Weak};
 
 use arc_swap::ArcSwap;
+use crossbeam_utils::CachePadded;
 
 use crate::arena::{Acquire, Arena, PageMap};
 use crate::cache::budget::Budget;
@@ -90,6 +91,9 @@ pub struct PoolConfig {
     pub magazine_bytes: u64,
     /// Most full magazines a stream's depot keeps per size class.
     pub depot_magazines: usize,
+    /// When a miss has to map pages while wholly free pages stay mapped where it did not fit,
+    /// unmap as many of those: the pool trades pages rather than grow (see the ladder).
+    pub trade_pages_on_map: bool,
     /// Most bytes all caches of the pool together (thread caches and depots) may hold.
     /// `None`: half of `max_reserved`.
     pub max_cached_bytes: Option<u64>,
@@ -115,6 +119,7 @@ impl Default for PoolConfig {
             magazine_bytes: 8 << 20,
             depot_magazines: 8,
             max_cached_bytes: None,
+            trade_pages_on_map: true,
             break_event_guard_for_tests: false,
         }
     }
@@ -161,11 +166,12 @@ pub(crate) struct PoolInner {
     max_reserved: u64,
     base: u64,
     range: u64,
-    arena: Arena,
-    pages: PageMap,
-    /// Size classes kept in caches, and each class's magazine capacity.
-    pub(crate) classes: usize,
-    pub(crate) caps: Box<[u8]>,
+    /// What every cache hit and free reads, on cache lines of its own: away from the
+    /// counters, registries and the arena's atomics that slow paths write, which would
+    /// otherwise evict it from every core's cache at each write.
+    pub(crate) hot: CachePadded<Hot>,
+    arena: CachePadded<Arena>,
+    pages: CachePadded<PageMap>,
     /// The bound on every cache together.
     pub(crate) cache_budget: crate::sync::Arc<Budget>,
     /// Mapped bytes plus bytes being mapped: the budget checked against `max_reserved`.
@@ -182,7 +188,15 @@ pub(crate) struct PoolInner {
     /// `record_stream` blocks dropped where no device call is allowed, waiting for a slow
     /// path to record their events.
     deferred_cross: crate::reclaim::Stack<(Span, Vec<Stream>)>,
-    counters: Counters,
+    counters: CachePadded<Counters>,
+}
+
+/// See [`PoolInner::hot`].
+pub(crate) struct Hot {
+    /// Size classes kept in caches.
+    pub(crate) classes: usize,
+    /// Each class's magazine capacity.
+    pub(crate) caps: Box<[u8]>,
 }
 
 #[derive(Default)]
@@ -241,10 +255,9 @@ impl Pool {
             max_reserved,
             base,
             range,
-            arena,
-            pages,
-            classes,
-            caps,
+            hot: CachePadded::new(Hot { classes, caps }),
+            arena: CachePadded::new(arena),
+            pages: CachePadded::new(pages),
             cache_budget: crate::sync::Arc::new(Budget::new(config_max_cached)),
             map_budget: AtomicU64::new(0),
             streams: ArcSwap::from_pointee(HashMap::new()),
@@ -253,7 +266,7 @@ impl Pool {
             folded: FoldedCounters::default(),
             cross: StreamRetire::new(),
             deferred_cross: crate::reclaim::Stack::new(),
-            counters: Counters::default(),
+            counters: CachePadded::new(Counters::default()),
         });
         Ok(Pool { _handle: Arc::new(LastHandle(Arc::clone(&inner))), inner })
     }
@@ -448,7 +461,6 @@ impl PoolInner {
         // the request, then four, eight times, then everything — each followed by a try of
         // the arena, so a cache gives back only as much as the request needs: one emptied on
         // every such miss would never warm up.
-        let _ = st;
         Counters::bump(&self.counters.ladder_flushes, 1);
         let mut target = size.saturating_mul(2).max(self.config.magazine_bytes);
         for round in 0..4 {
@@ -459,17 +471,22 @@ impl PoolInner {
             if moved < target {
                 moved += self.flush_depots(target - moved);
             }
+            if moved == 0 && round > 0 {
+                break;
+            }
+            // Close every open batch (one event each) — the flushed blocks' and any other
+            // stream's — and give the fresh events a moment.
             self.close_all();
-            if let Some(a) = self.poll_for(size)? {
+            if let Some(a) = self.poll_for(size, st)? {
                 return Ok(a);
             }
-            if moved == 0 && self.retiring_bytes() == 0 {
+            if moved == 0 {
                 break;
             }
             target = target.saturating_mul(2);
         }
         Counters::bump(&self.counters.ladder_maps, 1);
-        if let Some(a) = self.try_arena(size, Mapping::Allowed)? {
+        if let Some(a) = self.try_map(size)? {
             return Ok(a);
         }
         // Wait for the oldest pending event, one at a time, so the pool waits no longer than
@@ -482,7 +499,7 @@ impl PoolInner {
         } {
             Counters::bump(&self.counters.ladder_waits, 1);
             self.poll_all();
-            if let Some(a) = self.try_arena(size, Mapping::Allowed)? {
+            if let Some(a) = self.try_map(size)? {
                 return Ok(a);
             }
         }
@@ -496,12 +513,12 @@ impl PoolInner {
             } {
                 Counters::bump(&self.counters.ladder_waits, 1);
                 self.poll_all();
-                if let Some(a) = self.try_arena(size, Mapping::Allowed)? {
+                if let Some(a) = self.try_map(size)? {
                     return Ok(a);
                 }
             }
             self.poll_all();
-            if let Some(a) = self.try_arena(size, Mapping::Allowed)? {
+            if let Some(a) = self.try_map(size)? {
                 return Ok(a);
             }
         }
@@ -523,23 +540,43 @@ impl PoolInner {
         })
     }
 
-    /// Batches just closed on an idle stream complete within microseconds: poll them for up
-    /// to `poll_before_map` (less than mapping a page costs, ~40 µs on an H200) while they
-    /// hold enough to serve `size`, trying the arena without mapping after each release. A
-    /// busy stream's batches are left for the wait rung.
-    fn poll_for(&self, size: u64) -> Result<Option<u64>> {
+    /// Batches just closed on an idle stream complete within microseconds: poll for up to
+    /// `poll_before_map` (less than mapping a page costs, ~40 µs on an H200) while the
+    /// requesting stream's own batch — the one this thread just closed — has not completed,
+    /// trying the arena after each release. Other streams' batches are not waited for here
+    /// (a busy stream's are left for the wait rung), and once something was released and the
+    /// request still does not fit, waiting longer will not make it fit.
+    fn poll_for(&self, size: u64, st: &StreamState) -> Result<Option<u64>> {
         let deadline = std::time::Instant::now() + self.config.poll_before_map;
         loop {
             if self.poll_all() > 0 {
-                if let Some(a) = self.try_arena(size, Mapping::Forbidden)? {
-                    return Ok(Some(a));
-                }
+                return self.try_arena(size, Mapping::Forbidden);
             }
-            if self.retiring_bytes() < size || std::time::Instant::now() >= deadline {
+            let guard = epoch::pin();
+            if !st.retire.has_pending(&guard) || std::time::Instant::now() >= deadline {
                 return Ok(None);
             }
+            drop(guard);
             crate::sync::yield_now();
         }
+    }
+
+    /// The arena, mapping pages as needed. Mapping new pages while wholly free pages stay
+    /// mapped elsewhere (where the request did not fit) would raise the pool's footprint by
+    /// memory it does not use: as many free pages as were just mapped are unmapped, so a
+    /// mapping trades pages instead of growing the pool, unless the pool is growing for
+    /// real. Pages reused soon are never unmapped: only a miss that had to map pays.
+    fn try_map(&self, size: u64) -> Result<Option<u64>> {
+        let before = self.pages.mapped_bytes();
+        let got = self.try_arena(size, Mapping::Allowed)?;
+        let grew = self.pages.mapped_bytes().saturating_sub(before);
+        if got.is_some() && grew > 0 && self.config.trade_pages_on_map {
+            let free = self.pages.free_mapped_pages() * self.pages.page_size();
+            if free > 0 {
+                self.unmap_free(free.saturating_sub(grew));
+            }
+        }
+        Ok(got)
     }
 
     fn try_arena(&self, size: u64, mapping: Mapping) -> Result<Option<u64>> {
@@ -614,7 +651,7 @@ impl PoolInner {
         }
         let fresh = Arc::new(StreamState {
             stream: stream.clone(),
-            depots: (0..self.classes)
+            depots: (0..self.hot.classes)
                 .map(|c| {
                     let budget = crate::sync::Arc::clone(&self.cache_budget);
                     Depot::with_budget(self.config.depot_magazines, budget, class::size_of_class(c))
@@ -727,7 +764,7 @@ impl PoolInner {
 
     /// A new thread cache for `st` joins the registry.
     pub(crate) fn register_cache(&self, st: &Arc<StreamState>) -> Arc<CacheShared> {
-        let shared = Arc::new(CacheShared::new(self.classes));
+        let shared = Arc::new(CacheShared::new(self.hot.classes));
         self.caches.rcu(|v| {
             let mut v = Vec::clone(v);
             v.push((Arc::clone(&shared), Arc::clone(st)));
@@ -968,10 +1005,6 @@ impl PoolInner {
         self.poll_all();
         self.unmap_free(0);
         Ok(())
-    }
-
-    fn retiring_bytes(&self) -> u64 {
-        self.states().iter().map(|st| st.retire.pending_bytes()).sum::<u64>() + self.cross.pending_bytes()
     }
 
     /// Bytes in live blocks now. Every byte the arena has handed out is live, cached or
