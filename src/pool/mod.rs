@@ -67,7 +67,10 @@ pub struct PoolConfig {
     /// Most physical memory the pool may map, in bytes. `None`: 80% of the device's memory.
     pub max_reserved: Option<u64>,
     /// Free mapped bytes kept between trims; past it, wholly free pages are unmapped as
-    /// batches retire (as `cudaMemPoolAttrReleaseThreshold`). `u64::MAX`: keep everything.
+    /// batches retire (as `cudaMemPoolAttrReleaseThreshold`). Default `u64::MAX`: keep them,
+    /// since pages reused soon would only be mapped again (~40 µs a page on an H200, under a
+    /// driver lock every mapping thread shares); `trade_pages_on_map` keeps the footprint
+    /// down instead.
     pub release_threshold: u64,
     /// Bytes of address space to reserve (rounded up to a power of two). `None`: four times
     /// the device's memory.
@@ -91,8 +94,9 @@ pub struct PoolConfig {
     pub magazine_bytes: u64,
     /// Most full magazines a stream's depot keeps per size class.
     pub depot_magazines: usize,
-    /// When a miss has to map pages while wholly free pages stay mapped where it did not fit,
-    /// unmap as many of those: the pool trades pages rather than grow (see the ladder).
+    /// When a miss must map pages past the pool's peak while wholly free pages stay mapped
+    /// where it did not fit, unmap those first: the pool trades pages rather than grow its
+    /// peak. Below the peak nothing is traded (no churn in a steady state).
     pub trade_pages_on_map: bool,
     /// Most bytes all caches of the pool together (thread caches and depots) may hold.
     /// `None`: half of `max_reserved`.
@@ -108,7 +112,7 @@ impl Default for PoolConfig {
     fn default() -> Self {
         PoolConfig {
             max_reserved: None,
-            release_threshold: 64 << 20,
+            release_threshold: u64::MAX,
             address_range: None,
             batch_blocks: 64,
             batch_bytes: 64 << 20,
@@ -563,20 +567,22 @@ impl PoolInner {
 
     /// The arena, mapping pages as needed. Mapping new pages while wholly free pages stay
     /// mapped elsewhere (where the request did not fit) would raise the pool's footprint by
-    /// memory it does not use: as many free pages as were just mapped are unmapped, so a
-    /// mapping trades pages instead of growing the pool, unless the pool is growing for
-    /// real. Pages reused soon are never unmapped: only a miss that had to map pays.
+    /// memory it does not use: past the peak, that many free pages are unmapped first, so a
+    /// mapping trades pages instead of growing the pool, unless the pool is growing for real.
     fn try_map(&self, size: u64) -> Result<Option<u64>> {
-        let before = self.pages.mapped_bytes();
-        let got = self.try_arena(size, Mapping::Allowed)?;
-        let grew = self.pages.mapped_bytes().saturating_sub(before);
-        if got.is_some() && grew > 0 && self.config.trade_pages_on_map {
-            let free = self.pages.free_mapped_pages() * self.pages.page_size();
+        // Only growth past the pool's peak is traded: below it, mapping costs time but no
+        // memory the pool has not held before, and unmapping there would only make the next
+        // miss map again (a driver call that serialises every thread mapping at once). The
+        // free pages go first, so the peak never spikes by them.
+        let page = self.pages.page_size();
+        let past_peak = (self.pages.mapped_bytes() + size).saturating_sub(self.pages.peak_mapped_bytes());
+        if past_peak > 0 && self.config.trade_pages_on_map {
+            let free = self.pages.free_mapped_pages() * page;
             if free > 0 {
-                self.unmap_free(free.saturating_sub(grew));
+                self.unmap_free(free.saturating_sub(past_peak.next_multiple_of(page)));
             }
         }
-        Ok(got)
+        self.try_arena(size, Mapping::Allowed)
     }
 
     fn try_arena(&self, size: u64, mapping: Mapping) -> Result<Option<u64>> {
