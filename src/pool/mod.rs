@@ -424,7 +424,6 @@ impl PoolInner {
         } else {
             self.counters.on_alloc(size);
         }
-        self.sample_peak();
         Ok(addr)
     }
 
@@ -582,7 +581,11 @@ impl PoolInner {
                 self.unmap_free(free.saturating_sub(past_peak.next_multiple_of(page)));
             }
         }
-        self.try_arena(size, Mapping::Allowed)
+        let got = self.try_arena(size, Mapping::Allowed)?;
+        // The peak of live bytes is a sample, taken when the pool maps and when `stats()`
+        // looks: summing every tier costs too much for every miss.
+        self.sample_peak();
+        Ok(got)
     }
 
     fn try_arena(&self, size: u64, mapping: Mapping) -> Result<Option<u64>> {
