@@ -23,7 +23,7 @@ use crate::sync::epoch;
 
 /// On a miss, a block of up to this many classes larger (one doubling: at most twice the
 /// size) that the cache already holds is used instead of new memory.
-const BORROW_CLASSES: usize = 16;
+const BORROW_CLASSES: usize = 8;
 
 /// The unit in which thread caches reserve cache budget.
 fn budget_chunk(config: &super::PoolConfig) -> u64 {
