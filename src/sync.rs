@@ -53,35 +53,26 @@ pub(crate) fn yield_now() {
 
 /// The cheap side of an asymmetric fence pair: the owner of a thread cache runs it on every
 /// operation. With [`heavy_fence`] on the other side, the pair orders as two SeqCst fences
-/// would. In production it is a compiler fence once `membarrier(2)` is known to work (the
-/// heavy side then forces a full barrier on every running thread); otherwise a real fence.
-/// Under loom it is `fence(SeqCst)`, which is what the models check.
-#[inline]
+/// would. In production it is only a compiler fence: the heavy side forces a full barrier on
+/// every running thread with `membarrier(2)`, and where that is unavailable the heavy side
+/// reports failure, so nothing relies on the pair (idle caches are then never taken, only
+/// flushed by their owners). Under loom it is `fence(SeqCst)`, which is what the models check.
+#[inline(always)]
 pub(crate) fn light_fence() {
     #[cfg(not(loom))]
-    {
-        if membarrier::available() {
-            std::sync::atomic::compiler_fence(atomic::Ordering::SeqCst);
-        } else {
-            atomic::fence(atomic::Ordering::SeqCst);
-        }
-    }
+    std::sync::atomic::compiler_fence(atomic::Ordering::SeqCst);
     #[cfg(loom)]
     atomic::fence(atomic::Ordering::SeqCst);
 }
 
 /// The expensive side of the pair: run by a thread that must see every owner's latest
 /// flag (a thief taking an idle cache). A `membarrier` system call in production. Returns
-/// false if the pair's ordering could not be guaranteed (the barrier call failed after it
-/// had been registered): the caller must then not rely on it.
+/// false if the ordering cannot be guaranteed (no membarrier here, or the call failed): the
+/// caller must then not rely on it.
 pub(crate) fn heavy_fence() -> bool {
     #[cfg(not(loom))]
     {
-        if membarrier::available() {
-            return membarrier::barrier();
-        }
-        atomic::fence(atomic::Ordering::SeqCst);
-        true
+        membarrier::available() && membarrier::barrier()
     }
     #[cfg(loom)]
     {
@@ -92,9 +83,9 @@ pub(crate) fn heavy_fence() -> bool {
 
 #[cfg(not(loom))]
 mod membarrier {
-    //! `membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)`: registered once per process; if
-    //! registration fails (an old kernel, a sandbox that filters the call) both sides of the
-    //! asymmetric pair fall back to real fences.
+    //! `membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)`: registered once per process, on the
+    //! first heavy fence; if registration fails (an old kernel, a sandbox that filters the
+    //! call) heavy fences report failure.
     use std::sync::atomic::{AtomicU8, Ordering};
 
     const CMD_PRIVATE_EXPEDITED: libc::c_long = 1 << 3;
@@ -109,11 +100,7 @@ mod membarrier {
         rc == 0
     }
 
-    /// Whether the heavy side is a real membarrier. Registration happens on the first call
-    /// (a cache's first operation), before any thief can rely on it: a thief's barrier only
-    /// matters for owners that already switched to compiler fences, and an owner switches
-    /// only after registration succeeded.
-    #[inline]
+    /// Whether membarrier works here (registering on the first call).
     pub(super) fn available() -> bool {
         match STATE.load(Ordering::Acquire) {
             1 => true,
