@@ -26,46 +26,9 @@ use bestfit::BestFit;
 const HOT: usize = 1 << 20;
 const WINDOW: usize = 64;
 
-/// Deterministic sizes and slots, drawn before timing so the harness costs a few
-/// instructions per iteration (a `powf` per draw would cost more than a cache hit).
-struct Rng {
-    state: u64,
-    sizes: Vec<usize>,
-    i: usize,
-}
-
-impl Rng {
-    const TABLE: usize = 1 << 16;
-
-    fn new(seed: u64) -> Rng {
-        let mut x = seed | 1;
-        let sizes = (0..Self::TABLE)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                // Log-uniform in [256 B, 4 MiB).
-                let u = (x >> 11) as f64 / (1u64 << 53) as f64;
-                (256.0 * (16384.0f64).powf(u)) as usize
-            })
-            .collect();
-        Rng { state: x, sizes, i: 0 }
-    }
-
-    #[inline]
-    fn next(&mut self) -> u64 {
-        self.state ^= self.state << 13;
-        self.state ^= self.state >> 7;
-        self.state ^= self.state << 17;
-        self.state
-    }
-
-    #[inline]
-    fn size(&mut self) -> usize {
-        self.i = (self.i + 1) & (Self::TABLE - 1);
-        self.sizes[self.i]
-    }
-}
+#[path = "support/sizes.rs"]
+mod sizes;
+use sizes::Rng;
 
 fn setup() -> (SimDevice, Pool, Vec<Stream>) {
     let dev = SimDevice::new(64 << 30);
@@ -115,6 +78,46 @@ fn window_run(threads: usize, iters: u64, step: &(dyn Fn(usize, &mut Rng) + Sync
     start.elapsed()
 }
 
+type Group<'a> = criterion::BenchmarkGroup<'a, criterion::measurement::WallTime>;
+
+/// The random window on a baseline that frees at once (no streams): each thread replaces
+/// random blocks of its own window.
+fn baseline_window(
+    g: &mut Group<'_>,
+    name: &str,
+    threads: usize,
+    alloc: &(dyn Fn(u64) -> Option<u64> + Sync),
+    free: &(dyn Fn(u64, u64) + Sync),
+) {
+    let windows: Vec<std::sync::Mutex<Vec<(u64, u64)>>> = (0..threads)
+        .map(|_| {
+            let mut rng = Rng::new(3);
+            let w = (0..WINDOW)
+                .map(|_| {
+                    let s = rng.size() as u64;
+                    (alloc(s).unwrap(), s)
+                })
+                .collect();
+            std::sync::Mutex::new(w)
+        })
+        .collect();
+    g.bench_with_input(BenchmarkId::new(name, threads), &threads, |b, &threads| {
+        b.iter_custom(|iters| {
+            window_run(threads, iters, &|t, rng| {
+                let mut w = windows[t].lock().unwrap();
+                let i = (rng.next() % WINDOW as u64) as usize;
+                let s = rng.size() as u64;
+                let a = alloc(s).unwrap();
+                let (old, old_s) = std::mem::replace(&mut w[i], (a, s));
+                free(old, old_s);
+            })
+        })
+    });
+    for (a, s) in windows.into_iter().flat_map(|w| w.into_inner().unwrap()) {
+        free(a, s);
+    }
+}
+
 fn random_window(c: &mut Criterion) {
     let (_dev, pool, streams) = setup();
     let mut g = c.benchmark_group("random_window");
@@ -147,55 +150,11 @@ fn random_window(c: &mut Criterion) {
             })
         });
         let arena = Arena::new(0, 1 << 40).unwrap();
-        let windows: Vec<std::sync::Mutex<Vec<(u64, u64)>>> = (0..threads)
-            .map(|_| {
-                let mut rng = Rng::new(3);
-                let w = (0..WINDOW)
-                    .map(|_| {
-                        let s = rng.size() as u64;
-                        (arena.alloc(s).unwrap(), s)
-                    })
-                    .collect();
-                std::sync::Mutex::new(w)
-            })
-            .collect();
-        g.bench_with_input(BenchmarkId::new("arena", threads), &threads, |b, &threads| {
-            b.iter_custom(|iters| {
-                window_run(threads, iters, &|t, rng| {
-                    let mut w = windows[t].lock().unwrap();
-                    let i = (rng.next() % WINDOW as u64) as usize;
-                    let s = rng.size() as u64;
-                    let a = arena.alloc(s).unwrap();
-                    let (old, old_s) = std::mem::replace(&mut w[i], (a, s));
-                    arena.free(old, old_s);
-                })
-            })
+        baseline_window(&mut g, "arena", threads, &|s| arena.alloc(s), &|a, s| {
+            arena.free(a, s);
         });
         let bf = BestFit::new(0, 1 << 40);
-        let windows: Vec<std::sync::Mutex<Vec<(u64, u64)>>> = (0..threads)
-            .map(|_| {
-                let mut rng = Rng::new(3);
-                let w = (0..WINDOW)
-                    .map(|_| {
-                        let s = rng.size() as u64;
-                        (bf.alloc(s).unwrap(), s)
-                    })
-                    .collect();
-                std::sync::Mutex::new(w)
-            })
-            .collect();
-        g.bench_with_input(BenchmarkId::new("bestfit", threads), &threads, |b, &threads| {
-            b.iter_custom(|iters| {
-                window_run(threads, iters, &|t, rng| {
-                    let mut w = windows[t].lock().unwrap();
-                    let i = (rng.next() % WINDOW as u64) as usize;
-                    let s = rng.size() as u64;
-                    let a = bf.alloc(s).unwrap();
-                    let (old, old_s) = std::mem::replace(&mut w[i], (a, s));
-                    bf.free(old, old_s);
-                })
-            })
-        });
+        baseline_window(&mut g, "bestfit", threads, &|s| bf.alloc(s), &|a, s| bf.free(a, s));
     }
     g.finish();
 }

@@ -124,46 +124,11 @@ fn symbols_present() -> Result<(), String> {
 }
 
 // ---------------------------------------------------------------------------------------
-// Sizes, drawn before timing (as benches/pool.rs).
+// Sizes, drawn before timing (shared with benches/pool.rs).
 
-struct Rng {
-    state: u64,
-    sizes: Vec<usize>,
-    i: usize,
-}
-
-impl Rng {
-    const TABLE: usize = 1 << 16;
-
-    fn new(seed: u64) -> Rng {
-        let mut x = seed | 1;
-        let sizes = (0..Self::TABLE)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                // Log-uniform in [256 B, 4 MiB).
-                let u = (x >> 11) as f64 / (1u64 << 53) as f64;
-                (256.0 * (16384.0f64).powf(u)) as usize
-            })
-            .collect();
-        Rng { state: x, sizes, i: 0 }
-    }
-
-    #[inline(always)]
-    fn next(&mut self) -> u64 {
-        self.state ^= self.state << 13;
-        self.state ^= self.state >> 7;
-        self.state ^= self.state << 17;
-        self.state
-    }
-
-    #[inline(always)]
-    fn size(&mut self) -> usize {
-        self.i = (self.i + 1) & (Self::TABLE - 1);
-        self.sizes[self.i]
-    }
-}
+#[path = "../benches/support/sizes.rs"]
+mod sizes;
+use sizes::Rng;
 
 // ---------------------------------------------------------------------------------------
 // The allocators, behind one interface so every workload is the same code for all of them.

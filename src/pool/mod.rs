@@ -492,33 +492,15 @@ impl PoolInner {
         if let Some(a) = self.try_map(size)? {
             return Ok(a);
         }
-        // Wait for the oldest pending event, one at a time, so the pool waits no longer than
-        // it must; a stress run whose streams lag behind the host waits here, not fails.
-        // Other threads keep closing batches while this one waits: close again before each
-        // wait, so the loop ends only when nothing at all is left retiring or open.
-        while {
-            self.close_all();
-            self.wait_oldest()
-        } {
-            Counters::bump(&self.counters.ladder_waits, 1);
-            self.poll_all();
-            if let Some(a) = self.try_map(size)? {
-                return Ok(a);
-            }
+        if let Some(a) = self.wait_and_retry(size)? {
+            return Ok(a);
         }
         // Other threads' idle caches give their blocks back (the handshake needs no help
         // from them), then their batches retire like any other.
         if self.steal_idle_caches() > 0 {
             Counters::bump(&self.counters.ladder_steals, 1);
-            while {
-                self.close_all();
-                self.wait_oldest()
-            } {
-                Counters::bump(&self.counters.ladder_waits, 1);
-                self.poll_all();
-                if let Some(a) = self.try_map(size)? {
-                    return Ok(a);
-                }
+            if let Some(a) = self.wait_and_retry(size)? {
+                return Ok(a);
             }
             self.poll_all();
             if let Some(a) = self.try_map(size)? {
@@ -541,6 +523,24 @@ impl PoolInner {
             largest_free: st.largest_free_block,
             max_reserved: self.max_reserved,
         })
+    }
+
+    /// Wait for the oldest pending event, one at a time, so the pool waits no longer than it
+    /// must, and try again after each; a stress run whose streams lag behind the host waits
+    /// here, not fails. Other threads keep closing batches while this one waits: close again
+    /// before each wait, so the loop ends only when nothing at all is left retiring or open.
+    fn wait_and_retry(&self, size: u64) -> Result<Option<u64>> {
+        while {
+            self.close_all();
+            self.wait_oldest()
+        } {
+            Counters::bump(&self.counters.ladder_waits, 1);
+            self.poll_all();
+            if let Some(a) = self.try_map(size)? {
+                return Ok(Some(a));
+            }
+        }
+        Ok(None)
     }
 
     /// Batches just closed on an idle stream complete within microseconds: poll for up to
