@@ -600,12 +600,15 @@ fn main() {
         (0..THREADS[THREADS.len() - 1]).map(|_| or_die("create a stream", dev.create_stream())).collect();
     let mut vram_runs = Vec::new();
     for &t in &THREADS {
+        let before = pool.stats();
+        let vr = window(&dev, &streams, t, win_dur, |s| Vram {
+            cache: or_die("stream_cache", pool.stream_cache(s)),
+            dev: &dev,
+            stream: s,
+        });
+        let after = pool.stats();
         let runs = [
-            window(&dev, &streams, t, win_dur, |s| Vram {
-                cache: or_die("stream_cache", pool.stream_cache(s)),
-                dev: &dev,
-                stream: s,
-            }),
+            vr,
             window(&dev, &streams, t, win_dur, |_| CuMem),
             window(&dev, &streams, t, win_dur, |s| CuAsync::new(&dev, s)),
             window(&dev, &streams, t, win_dur, |_| Bf { bf: &bf, high: 0 }),
@@ -621,6 +624,21 @@ fn main() {
                 r.pairs
             );
         }
+        let d = |f: fn(&Stats) -> u64| f(&after).saturating_sub(f(&before));
+        let allocs = d(|s| s.allocs).max(1);
+        println!(
+            "   vrampool in this run: T0 misses {:.3}% of {} allocs (T1 hits {}); ladder flushes {}, maps {}, \
+             waits {}, steals {}; events {}; reserved {:.0} MiB",
+            100.0 * allocs.saturating_sub(d(|s| s.t0_hits)) as f64 / allocs as f64,
+            allocs,
+            d(|s| s.t1_hits),
+            d(|s| s.ladder_flushes),
+            d(|s| s.ladder_maps),
+            d(|s| s.ladder_waits),
+            d(|s| s.ladder_steals),
+            d(|s| s.events_recorded),
+            after.reserved_bytes as f64 / 1048576.0
+        );
         vram_runs.push(runs.into_iter().next().unwrap_or(Run { threads: t, pairs: 0, wall: Duration::ZERO }));
     }
     if let (Some(one), Some(many)) = (vram_runs.first(), vram_runs.last()) {
