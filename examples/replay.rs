@@ -6,7 +6,8 @@
 //! cargo run --release --example replay -- benches/traces/*.csv.gz
 //! ```
 //!
-//! Runs on the GPU when there is one, else on the simulated device.
+//! Runs on the GPU when there is one, else on the simulated device. `--map-run-pages N` sets
+//! `PoolConfig::map_run_pages` (pages mapped per device call; default 1).
 
 use std::io::BufReader;
 
@@ -23,7 +24,18 @@ fn load(path: &str) -> Result<Trace, Box<dyn std::error::Error>> {
 }
 
 fn main() {
-    let paths: Vec<String> = std::env::args().skip(1).collect();
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let mut config = PoolConfig::default();
+    if let Some(i) = args.iter().position(|a| a == "--map-run-pages") {
+        let n = args.get(i + 1).and_then(|v| v.parse().ok());
+        let Some(n) = n else {
+            eprintln!("--map-run-pages needs a number");
+            std::process::exit(2);
+        };
+        config.map_run_pages = n;
+        args.drain(i..i + 2);
+    }
+    let paths = args;
     if paths.is_empty() {
         eprintln!("usage: replay TRACE.csv[.gz] ...");
         std::process::exit(2);
@@ -35,7 +47,7 @@ fn main() {
         "trace", "events", "peak live", "peak reserved", "ratio", "T0 hit", "T1 hit", "ns/op"
     );
     for path in paths {
-        let r = load(&path).and_then(|t| Ok(replay(&t, &device, PoolConfig::default())?));
+        let r = load(&path).and_then(|t| Ok(replay(&t, &device, config.clone())?));
         match r {
             Ok(r) => println!(
                 "{:<24} {:>8} {:>7.1} MiB {:>10.1} MiB {:>7.3} {:>7.3} {:>7.3} {:>8.0}",

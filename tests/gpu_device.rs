@@ -39,13 +39,17 @@ fn vmm_pages_hold_a_kernel_pattern_across_streams() {
     let range = 64 * MIB;
     let base = dev.reserve(range).unwrap();
     assert_eq!(base % g as u64, 0, "reservation not aligned to the granularity");
-    // Page 0 holds the mismatch counter; pages 1..=4 the pattern, mapped in one call.
+    // Page 0 holds the mismatch counter; pages 1..=4 the pattern, mapped in three calls
+    // (two pages as one allocation, then one and one): a kernel writes across all of them,
+    // and page 3 alone can later be unmapped.
     let bad = base;
     let data = base + g as u64;
     let pages = 4;
     let words = pages * g / 4;
     dev.map(bad, g).unwrap();
-    dev.map(data, pages * g).unwrap();
+    dev.map(data, 2 * g).unwrap();
+    dev.map(data + 2 * g as u64, g).unwrap();
+    dev.map(data + 3 * g as u64, g).unwrap();
 
     let a = dev.create_stream().unwrap();
     let b = dev.create_stream().unwrap();
@@ -81,9 +85,13 @@ fn vmm_pages_hold_a_kernel_pattern_across_streams() {
     dev.copy_from_device(&mut back, at, &a).unwrap();
     assert_eq!(back, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]);
 
-    // One page of the middle unmapped alone; the others keep their contents.
+    // One page of the middle unmapped alone; the others keep their contents. Half of the
+    // two-page allocation cannot be unmapped: the driver refuses part of a mapping.
     dev.synchronize(&a).unwrap();
     dev.synchronize(&b).unwrap();
+    // SAFETY: both streams are synchronized; nothing uses the pages any more.
+    let half = unsafe { dev.unmap(data, g) };
+    assert!(half.is_err(), "unmapping half of one mapping must fail: {half:?}");
     // SAFETY: both streams are synchronized; nothing uses page 2 any more.
     unsafe { dev.unmap(data + 2 * g as u64, g).unwrap() };
     let mut w = [0u8; 4];

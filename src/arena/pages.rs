@@ -3,9 +3,10 @@
 //!
 //! # What it owns
 //!
-//! One `AtomicU64` per page of the range, packing `count << 2 | state`: `state` is one of
+//! One `AtomicU64` per page of the range, packing `count << 3 | cont << 2 | state`: `state` is one of
 //! [`UNMAPPED`], [`MAPPING`], [`MAPPED`], [`UNMAPPING`]; `count` is the number of live blocks
-//! that overlap the page. The words live in chunks of up to 512 made the first time a page in
+//! that overlap the page; `cont` says the page was mapped in one call with the page before it
+//! (a *run*: up to [`MAX_RUN`] pages, one physical allocation, unmapped whole). The words live in chunks of up to 512 made the first time a page in
 //! them is touched and published with a CAS into a directory of `AtomicPtr`s (the loser frees
 //! its own chunk); chunks are freed when the map drops. Metadata is thus one pointer per 512
 //! pages of range (8 bytes per GiB at 2 MiB pages) plus 4 KiB per 1 GiB region in use. It
@@ -42,7 +43,13 @@ pub const MAPPED: u64 = 2;
 pub const UNMAPPING: u64 = 3;
 
 const STATE: u64 = 3;
-const ONE: u64 = 4;
+/// Set on every page of a run but its first: the page was mapped in one call with the page
+/// before it, and can only be unmapped with it.
+const CONT: u64 = 4;
+const COUNT_SHIFT: u32 = 3;
+const ONE: u64 = 1 << COUNT_SHIFT;
+/// The most pages a map may map in one call (see [`PageMap::with_max_run`]).
+pub const MAX_RUN: usize = 64;
 /// Page words per chunk.
 const CHUNK: usize = 512;
 /// The most pages a map may cover (its directory is made eagerly: 2^30 / 512 pointers).
@@ -73,6 +80,8 @@ pub struct PageMap {
     /// Pages `MAPPED` with count 0. Updated after the CAS that changes a page, so it may dip
     /// below zero for a moment (wrapping); read through `free_mapped_pages`.
     free_mapped: AtomicU64,
+    /// The most pages mapped in one call.
+    max_run: usize,
 }
 
 // SAFETY: all shared state is atomic; chunk pointers are owned by the map and freed only in
@@ -115,7 +124,16 @@ impl PageMap {
             mapped: AtomicU64::new(0),
             peak: AtomicU64::new(0),
             free_mapped: AtomicU64::new(0),
+            max_run: MAX_RUN,
         })
+    }
+
+    /// Map at most `pages` pages (1..=[`MAX_RUN`]) in one call. Longer runs map faster (one
+    /// physical allocation each) but go back only whole: a run with one live block on one of
+    /// its pages stays mapped, so they cost memory on workloads that churn.
+    pub fn with_max_run(mut self, pages: usize) -> PageMap {
+        self.max_run = pages.clamp(1, MAX_RUN);
+        self
     }
 
     /// The page size in bytes.
@@ -169,8 +187,10 @@ impl PageMap {
     }
 
     /// Take a reference on every page overlapping `[addr, addr + len)`, mapping unmapped ones
-    /// through `map(page_addr, page_bytes)` (one page per call) when `may_map`. On failure
-    /// the references this call took are given back, and a page whose map failed is left
+    /// through `map(addr, bytes)` when `may_map`: consecutive unmapped pages (up to the map's
+    /// run length) are claimed together and mapped in one call, as one physical allocation
+    /// (on an H200 one call for 64 pages costs about what 4 single pages do). On failure the
+    /// references this call took are given back, and pages whose map failed are left
     /// unmapped: no state is damaged.
     pub fn acquire(
         &self,
@@ -184,67 +204,128 @@ impl PageMap {
                 "page map: [{addr:#x}, +{len:#x}) is not inside the range"
             ))));
         };
-        for p in first..=last {
-            if let Err(e) = self.acquire_page(p, may_map, map) {
-                self.release_pages(first, p);
+        // Pages this call holds in MAPPING, not yet mapped: `run.0 .. run.0 + run.1`.
+        let mut run: Option<(usize, usize)> = None;
+        let fail = |run: Option<(usize, usize)>, e: Acquire| {
+            let held_to = run.map_or(usize::MAX, |r| r.0);
+            if let Some((s, n)) = run {
+                self.abandon_run(s, n);
+            }
+            (first, held_to, e)
+        };
+        let mut p = first;
+        while p <= last {
+            let Some(w) = self.word(p, true) else {
+                let (f, to, e) =
+                    fail(run, Acquire::Failed(Error::InvalidArgument("page map: page out of range".into())));
+                self.release_pages(f, to.min(p));
                 return Err(e);
+            };
+            let mut cur = w.load(Ordering::Acquire);
+            let done = loop {
+                let state = cur & STATE;
+                if state != UNMAPPED {
+                    // The run of unmapped pages ends here: map it before anything else, so
+                    // no page is held in MAPPING while this thread waits on another.
+                    if let Some((s, n)) = run.take() {
+                        if let Err(e) = self.map_run(s, n, map) {
+                            self.release_pages(first, s);
+                            return Err(Acquire::Failed(e));
+                        }
+                    }
+                }
+                match state {
+                    MAPPED => match w.compare_exchange_weak(cur, cur + ONE, Ordering::AcqRel, Ordering::Acquire) {
+                        Ok(_) => {
+                            if cur >> COUNT_SHIFT == 0 {
+                                self.free_mapped.fetch_sub(1, Ordering::AcqRel);
+                            }
+                            break true;
+                        }
+                        Err(now) => cur = now,
+                    },
+                    UNMAPPED if !may_map => break false,
+                    UNMAPPED => {
+                        let cont = matches!(run, Some((s, n)) if s + n == p && n < self.max_run);
+                        let claim = ONE | MAPPING | if cont { CONT } else { 0 };
+                        match w.compare_exchange_weak(cur, claim, Ordering::AcqRel, Ordering::Acquire) {
+                            Ok(_) => {
+                                if cont {
+                                    if let Some(r) = run.as_mut() {
+                                        r.1 += 1;
+                                    }
+                                } else {
+                                    if let Some((s, n)) = run.take() {
+                                        if let Err(e) = self.map_run(s, n, map) {
+                                            // `p` is held too: give it back with the run.
+                                            self.abandon_run(p, 1);
+                                            self.release_pages(first, s);
+                                            return Err(Acquire::Failed(e));
+                                        }
+                                    }
+                                    run = Some((p, 1));
+                                }
+                                break true;
+                            }
+                            Err(now) => cur = now,
+                        }
+                    }
+                    // MAPPING or UNMAPPING: another thread is in a device call for this page.
+                    _ => {
+                        yield_now();
+                        cur = w.load(Ordering::Acquire);
+                    }
+                }
+            };
+            if !done {
+                // Needs a map the caller does not allow: no run can be pending (runs are
+                // only made when mapping is allowed).
+                self.release_pages(first, p);
+                return Err(Acquire::NeedsMap);
+            }
+            p += 1;
+        }
+        if let Some((s, n)) = run {
+            if let Err(e) = self.map_run(s, n, map) {
+                self.release_pages(first, s);
+                return Err(Acquire::Failed(e));
             }
         }
         Ok(())
     }
 
-    fn acquire_page(
-        &self,
-        p: usize,
-        may_map: bool,
-        map: &mut dyn FnMut(u64, usize) -> Result<(), Error>,
-    ) -> Result<(), Acquire> {
-        let Some(w) = self.word(p, true) else {
-            return Err(Acquire::Failed(Error::InvalidArgument("page map: page out of range".into())));
-        };
-        let mut cur = w.load(Ordering::Acquire);
-        loop {
-            match cur & STATE {
-                MAPPED => match w.compare_exchange_weak(cur, cur + ONE, Ordering::AcqRel, Ordering::Acquire) {
-                    Ok(_) => {
-                        if cur >> 2 == 0 {
-                            self.free_mapped.fetch_sub(1, Ordering::AcqRel);
-                        }
-                        return Ok(());
+    /// Map the `n` pages from `s`, which this thread holds in MAPPING (count 1 each), in one
+    /// call; on success they become MAPPED (the first a run head, the rest `CONT`), on failure
+    /// UNMAPPED again.
+    fn map_run(&self, s: usize, n: usize, map: &mut dyn FnMut(u64, usize) -> Result<(), Error>) -> Result<(), Error> {
+        let page = self.page_size();
+        // `page * n` is at most MAX_RUN pages of a range that fits in memory maps; usize is
+        // 64-bit on every target the pool supports, so the cast is exact.
+        match map(self.page_addr(s), (page * n as u64) as usize) {
+            Ok(()) => {
+                for q in s..s + n {
+                    if let Some(w) = self.word(q, false) {
+                        // We alone write the word while it is MAPPING: a store will do.
+                        let cont = if q > s { CONT } else { 0 };
+                        w.store(ONE | MAPPED | cont, Ordering::Release);
                     }
-                    Err(now) => cur = now,
-                },
-                UNMAPPED if !may_map => return Err(Acquire::NeedsMap),
-                UNMAPPED => {
-                    match w.compare_exchange_weak(cur, ONE | MAPPING, Ordering::AcqRel, Ordering::Acquire) {
-                        Ok(_) => {}
-                        Err(now) => {
-                            cur = now;
-                            continue;
-                        }
-                    }
-                    let page = self.page_size();
-                    // `page` is a divisor of a range that fits in memory maps; usize is 64-bit
-                    // on every target the pool supports, so the cast is exact.
-                    return match map(self.page_addr(p), page as usize) {
-                        Ok(()) => {
-                            // We alone write the word while it is MAPPING: a store will do.
-                            w.store(ONE | MAPPED, Ordering::Release);
-                            let now = self.mapped.fetch_add(page, Ordering::AcqRel) + page;
-                            self.peak.fetch_max(now, Ordering::AcqRel);
-                            Ok(())
-                        }
-                        Err(e) => {
-                            w.store(UNMAPPED, Ordering::Release);
-                            Err(Acquire::Failed(e))
-                        }
-                    };
                 }
-                // MAPPING or UNMAPPING: another thread is in a device call for this page.
-                _ => {
-                    yield_now();
-                    cur = w.load(Ordering::Acquire);
-                }
+                let now = self.mapped.fetch_add(page * n as u64, Ordering::AcqRel) + page * n as u64;
+                self.peak.fetch_max(now, Ordering::AcqRel);
+                Ok(())
+            }
+            Err(e) => {
+                self.abandon_run(s, n);
+                Err(e)
+            }
+        }
+    }
+
+    /// Give back pages held in MAPPING that will not be mapped.
+    fn abandon_run(&self, s: usize, n: usize) {
+        for q in s..s + n {
+            if let Some(w) = self.word(q, false) {
+                w.store(UNMAPPED, Ordering::Release);
             }
         }
     }
@@ -260,13 +341,13 @@ impl PageMap {
             };
             let mut cur = w.load(Ordering::Acquire);
             loop {
-                if cur & STATE != MAPPED || cur >> 2 == 0 {
+                if cur & STATE != MAPPED || cur >> COUNT_SHIFT == 0 {
                     ok = false;
                     break;
                 }
                 match w.compare_exchange_weak(cur, cur - ONE, Ordering::AcqRel, Ordering::Acquire) {
                     Ok(_) => {
-                        if cur >> 2 == 1 {
+                        if cur >> COUNT_SHIFT == 1 {
                             self.free_mapped.fetch_add(1, Ordering::AcqRel);
                         }
                         break;
@@ -288,36 +369,87 @@ impl PageMap {
         }
     }
 
-    /// Unmap wholly free mapped pages, highest address first (placement is lowest first, so
-    /// high pages are the least likely to be wanted again), until at most `keep_bytes` of free
-    /// mapped pages remain. A page whose unmap fails stays mapped. Returns the bytes unmapped.
+    /// Unmap wholly free runs of mapped pages (a run is what one map call mapped: it goes
+    /// back whole or not at all), highest address first (placement is lowest first, so high
+    /// pages are the least likely to be wanted again), until at most `keep_bytes` of free
+    /// mapped pages remain. A run whose unmap fails stays mapped. Returns the bytes unmapped.
     pub fn unmap_free(&self, keep_bytes: u64, unmap: &mut dyn FnMut(u64, usize) -> Result<(), Error>) -> u64 {
         let page = self.page_size();
         let mut unmapped = 0;
-        for (c, slot) in self.dir.iter().enumerate().rev() {
-            let Some(chunk) = Self::chunk(slot) else { continue };
-            for (j, w) in chunk.words.iter().enumerate().rev() {
-                if self.free_mapped_pages().saturating_mul(page) <= keep_bytes {
-                    return unmapped;
-                }
-                if w.compare_exchange(MAPPED, UNMAPPING, Ordering::AcqRel, Ordering::Acquire).is_err() {
-                    continue;
-                }
-                self.free_mapped.fetch_sub(1, Ordering::AcqRel);
-                match unmap(self.page_addr(c * CHUNK + j), page as usize) {
-                    Ok(()) => {
-                        self.mapped.fetch_sub(page, Ordering::AcqRel);
-                        w.store(UNMAPPED, Ordering::Release);
-                        unmapped += page;
-                    }
-                    Err(_) => {
-                        w.store(MAPPED, Ordering::Release);
-                        self.free_mapped.fetch_add(1, Ordering::AcqRel);
-                    }
-                }
+        let mut p = self.pages;
+        while p > 0 {
+            p -= 1;
+            if self.free_mapped_pages().saturating_mul(page) <= keep_bytes {
+                break;
             }
+            let Some(w) = self.word(p, false) else {
+                // The whole chunk is absent: skip to its start.
+                p -= p % CHUNK;
+                continue;
+            };
+            let v = w.load(Ordering::Acquire);
+            if v & STATE != MAPPED || v >> COUNT_SHIFT != 0 {
+                continue;
+            }
+            // The run around `p`: back to its head, forward to its last page.
+            let mut head = p;
+            while head > 0 && self.word(head, false).is_some_and(|w| w.load(Ordering::Acquire) & CONT != 0) {
+                head -= 1;
+            }
+            let mut end = p;
+            while self.word(end + 1, false).is_some_and(|w| w.load(Ordering::Acquire) & CONT != 0) {
+                end += 1;
+            }
+            if let Some(bytes) = self.unmap_run(head, end, unmap) {
+                unmapped += bytes;
+            }
+            p = head;
         }
         unmapped
+    }
+
+    /// Claim every page of the run `head..=end` (MAPPED, count 0 → UNMAPPING), unmap it in one
+    /// call and mark it UNMAPPED. If a page is taken meanwhile, or the unmap fails, the pages
+    /// claimed go back to MAPPED. Returns the bytes unmapped.
+    fn unmap_run(
+        &self,
+        head: usize,
+        end: usize,
+        unmap: &mut dyn FnMut(u64, usize) -> Result<(), Error>,
+    ) -> Option<u64> {
+        let page = self.page_size();
+        let mut claimed = Vec::with_capacity(end - head + 1);
+        for q in head..=end {
+            let w = self.word(q, false)?;
+            let cont = if q > head { CONT } else { 0 };
+            let free = MAPPED | cont;
+            if w.compare_exchange(free, UNMAPPING | cont, Ordering::AcqRel, Ordering::Acquire).is_err() {
+                for (c, cw) in claimed {
+                    let cw: &AtomicU64 = cw;
+                    cw.store(MAPPED | c, Ordering::Release);
+                }
+                return None;
+            }
+            claimed.push((cont, w));
+        }
+        let n = claimed.len() as u64;
+        self.free_mapped.fetch_sub(n, Ordering::AcqRel);
+        match unmap(self.page_addr(head), (page * n) as usize) {
+            Ok(()) => {
+                self.mapped.fetch_sub(page * n, Ordering::AcqRel);
+                for (_, w) in claimed {
+                    w.store(UNMAPPED, Ordering::Release);
+                }
+                Some(page * n)
+            }
+            Err(_) => {
+                for (c, w) in claimed {
+                    w.store(MAPPED | c, Ordering::Release);
+                }
+                self.free_mapped.fetch_add(n, Ordering::AcqRel);
+                None
+            }
+        }
     }
 
     /// Bytes mapped now.
@@ -355,7 +487,7 @@ impl PageMap {
             for (j, w) in chunk.words.iter().enumerate() {
                 let v = w.load(Ordering::Acquire);
                 if v & STATE == MAPPED {
-                    f(self.page_addr(c * CHUNK + j), v >> 2);
+                    f(self.page_addr(c * CHUNK + j), v >> COUNT_SHIFT);
                 }
             }
         }
@@ -381,9 +513,9 @@ mod tests {
 
     const P: u64 = 1 << 21;
 
-    fn ok_map(log: &mut Vec<u64>) -> impl FnMut(u64, usize) -> Result<(), Error> + '_ {
-        move |a, _| {
-            log.push(a);
+    fn ok_map(log: &mut Vec<(u64, u64)>) -> impl FnMut(u64, usize) -> Result<(), Error> + '_ {
+        move |a, l| {
+            log.push((a, l as u64));
             Ok(())
         }
     }
@@ -403,7 +535,7 @@ mod tests {
         let mut log = vec![];
         m.acquire(P + 100, 2 * P, true, &mut ok_map(&mut log)).unwrap();
         m.acquire(P, 256, true, &mut ok_map(&mut log)).unwrap();
-        assert_eq!(log, vec![P, 2 * P, 3 * P]);
+        assert_eq!(log, vec![(P, 3 * P)], "three unmapped pages in a row are one run, mapped in one call");
         let mut seen = vec![];
         m.for_each_mapped(|a, c| seen.push((a, c)));
         assert_eq!(seen, vec![(P, 2), (2 * P, 1), (3 * P, 1)]);
@@ -426,16 +558,44 @@ mod tests {
     #[test]
     fn map_failure_leaves_page_unmapped_and_rolls_back() {
         let m = PageMap::new(0, 4 * P, P).unwrap();
+        m.acquire(P, P, true, &mut |_, _| Ok(())).unwrap();
         let err = Error::Device { call: "map", code: -1, message: "no".into() };
         let e2 = err.clone();
+        // Page 0 is a run of its own (page 1 is mapped), page 2 another, whose map fails.
         let r = m.acquire(0, 3 * P, true, &mut |a, _| if a == 2 * P { Err(e2.clone()) } else { Ok(()) });
         assert_eq!(r, Err(Acquire::Failed(err)));
         let mut seen = vec![];
         m.for_each_mapped(|a, c| seen.push((a, c)));
-        assert_eq!(seen, vec![(0, 0), (P, 0)]);
-        assert_eq!(m.free_mapped_pages(), 2);
-        assert_eq!(m.unmap_free(0, &mut |_, _| Ok(())), 2 * P);
+        assert_eq!(seen, vec![(0, 0), (P, 1)], "page 0 mapped but given back, page 1 as before, page 2 unmapped");
+        assert_eq!(m.free_mapped_pages(), 1);
+        assert_eq!(m.unmap_free(0, &mut |_, _| Ok(())), P);
+        assert_eq!(m.mapped_bytes(), P);
+    }
+
+    #[test]
+    fn a_run_goes_back_whole_or_not_at_all() {
+        let m = PageMap::new(0, 8 * P, P).unwrap();
+        m.acquire(0, 4 * P, true, &mut |_, _| Ok(())).unwrap();
+        m.release(0, 4 * P);
+        m.acquire(3 * P, 1, true, &mut |_, _| panic!("page 3 is mapped")).unwrap();
+        assert_eq!(m.free_mapped_pages(), 3);
+        assert_eq!(m.unmap_free(0, &mut |_, _| panic!("the run has a live page")), 0);
+        m.release(3 * P, 1);
+        let mut calls = vec![];
+        let n = m.unmap_free(0, &mut |a, l| {
+            calls.push((a, l as u64));
+            Ok(())
+        });
+        assert_eq!((n, calls), (4 * P, vec![(0, 4 * P)]));
         assert_eq!(m.mapped_bytes(), 0);
+    }
+
+    #[test]
+    fn runs_are_at_most_max_run_pages() {
+        let m = PageMap::new(0, (2 * MAX_RUN as u64 + 4) * P, P).unwrap();
+        let mut log = vec![];
+        m.acquire(0, (MAX_RUN as u64 + 3) * P, true, &mut ok_map(&mut log)).unwrap();
+        assert_eq!(log, vec![(0, MAX_RUN as u64 * P), (MAX_RUN as u64 * P, 3 * P)]);
     }
 
     #[test]
@@ -454,7 +614,10 @@ mod tests {
     #[test]
     fn unmap_free_keeps_the_lowest_pages_and_skips_live_ones() {
         let m = PageMap::new(0, 8 * P, P).unwrap();
-        m.acquire(0, 6 * P, true, &mut |_, _| Ok(())).unwrap();
+        // One page at a time: six runs of one page.
+        for p in 0..6 {
+            m.acquire(p * P, P, true, &mut |_, _| Ok(())).unwrap();
+        }
         m.release(P, 5 * P);
         m.acquire(3 * P, 1, true, &mut |_, _| Ok(())).unwrap();
         // free mapped: pages 1, 2, 4, 5; page 0 and 3 live

@@ -1,6 +1,7 @@
 //! Model tests of the arena and the page map against simple sequential references, and a
 //! multithreaded stress of the arena with an ownership shadow.
 
+use super::pages::MAX_RUN;
 use super::*;
 use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::Error;
@@ -128,16 +129,23 @@ proptest! {
         let m = PageMap::new(0, PAGES * PAGE, PAGE).unwrap();
         let mut live: Vec<(u64, u64)> = vec![];
         let mut mapped = [false; PAGES as usize];
+        // What each map call mapped: an unmap must name exactly one of these.
+        let mut runs: Vec<(u64, u64)> = vec![];
         for op in ops {
             match op {
                 PageOp::Acquire(addr, len, may_map) => {
                     let mut bad = false;
                     let r = m.acquire(addr, len, may_map, &mut |a, l| {
-                        bad |= l as u64 != PAGE || mapped[(a / PAGE) as usize];
-                        mapped[(a / PAGE) as usize] = true;
+                        let l = l as u64;
+                        bad |= l == 0 || l % PAGE != 0 || l > MAX_RUN as u64 * PAGE;
+                        for p in a / PAGE..(a + l) / PAGE {
+                            bad |= mapped[p as usize];
+                            mapped[p as usize] = true;
+                        }
+                        runs.push((a, l));
                         Ok(())
                     });
-                    prop_assert!(!bad, "mapped a page twice");
+                    prop_assert!(!bad, "mapped a page twice, or a run of a bad length");
                     let fits = addr + len <= PAGES * PAGE;
                     match r {
                         Ok(()) => { prop_assert!(fits); live.push((addr, len)); }
@@ -153,14 +161,26 @@ proptest! {
                 }
                 PageOp::Unmap(keep) => {
                     let mut bad = false;
-                    m.unmap_free(keep, &mut |a, _| {
-                        let p = (a / PAGE) as usize;
-                        bad |= !mapped[p] || live.iter().any(|&(x, l)| x < a + PAGE && a < x + l);
-                        mapped[p] = false;
+                    m.unmap_free(keep, &mut |a, l| {
+                        let l = l as u64;
+                        match runs.iter().position(|&r| r == (a, l)) {
+                            Some(i) => { runs.swap_remove(i); }
+                            None => bad = true,
+                        }
+                        for p in a / PAGE..(a + l) / PAGE {
+                            let pa = p * PAGE;
+                            bad |= !mapped[p as usize] || live.iter().any(|&(x, n)| x < pa + PAGE && pa < x + n);
+                            mapped[p as usize] = false;
+                        }
                         Ok(())
                     });
-                    prop_assert!(!bad, "unmapped a page in use");
-                    prop_assert!(m.free_mapped_pages() * PAGE <= keep);
+                    prop_assert!(!bad, "unmapped a page in use, or not exactly one run");
+                    // Past `keep`, every run still mapped has a live page.
+                    if m.free_mapped_pages() * PAGE > keep {
+                        for &(a, l) in &runs {
+                            prop_assert!(live.iter().any(|&(x, n)| x < a + l && a < x + n), "a free run stayed mapped");
+                        }
+                    }
                 }
             }
             let mut counts = [0u64; PAGES as usize];

@@ -316,20 +316,6 @@ impl CudaInner {
 
     /// Unmap `[addr, addr + bytes)` page by page; the context must be current. Returns the
     /// first failure but tries every page, so one bad page does not strand the rest.
-    fn unmap_pages(&self, addr: u64, bytes: u64) -> Result<()> {
-        let g = self.granularity as u64;
-        let mut first = Ok(());
-        for page in (addr..addr + bytes).step_by(self.granularity) {
-            // SAFETY: the caller guarantees nothing uses the page; the driver rejects a page
-            // that is not mapped.
-            let rc = unsafe { sys::cuMemUnmap(page, g as usize) };
-            if first.is_ok() {
-                first = check("cuMemUnmap", rc);
-            }
-        }
-        first
-    }
-
     fn alloc_prop(&self) -> sys::CUmemAllocationProp {
         sys::CUmemAllocationProp {
             type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
@@ -756,42 +742,38 @@ impl Device for CudaDevice {
     fn map(&self, addr: u64, bytes: usize) -> Result<()> {
         self.inner.enter()?;
         self.inner.aligned("map", addr, bytes as u64)?;
-        let g = self.inner.granularity;
         let prop = self.inner.alloc_prop();
-        let mut done = 0u64;
-        let mapped = (|| {
-            for page in (addr..addr + bytes as u64).step_by(g) {
-                let mut handle: sys::CUmemGenericAllocationHandle = 0;
-                // SAFETY: `prop` is a fully initialised property block; the driver writes a handle.
-                check("cuMemCreate", unsafe { sys::cuMemCreate(&mut handle, g, &prop, 0) })?;
-                // SAFETY: the page lies in the caller's reservation with nothing mapped there (the
-                // driver rejects it otherwise); `handle` is a live allocation of exactly `g` bytes.
-                let rc = unsafe { sys::cuMemMap(page, g, 0, handle, 0) };
-                // The mapping, if made, keeps the memory alive; unmapping will free it.
-                // SAFETY: `handle` came from cuMemCreate above and is released once.
-                let released = unsafe { sys::cuMemRelease(handle) };
-                check("cuMemMap", rc)?;
-                done += g as u64;
-                check("cuMemRelease", released)?;
-            }
-            let access = sys::CUmemAccessDesc {
-                location: self.inner.alloc_prop().location,
-                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-            };
-            // SAFETY: the whole range was mapped by the loop above.
-            check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(addr, bytes, &access, 1) })
-        })();
-        if mapped.is_err() && done > 0 {
-            // Only what this call mapped; the first error is the one worth reporting.
-            let _ = self.inner.unmap_pages(addr, done);
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: `prop` is a fully initialised property block; the driver writes a handle.
+        check("cuMemCreate", unsafe { sys::cuMemCreate(&mut handle, bytes, &prop, 0) })?;
+        // SAFETY: the range lies in the caller's reservation with nothing mapped there (the
+        // driver rejects it otherwise); `handle` is a live allocation of exactly `bytes`.
+        let rc = unsafe { sys::cuMemMap(addr, bytes, 0, handle, 0) };
+        // The mapping, if made, keeps the memory alive; unmapping it will free it.
+        // SAFETY: `handle` came from cuMemCreate above and is released once.
+        let released = unsafe { sys::cuMemRelease(handle) };
+        check("cuMemMap", rc)?;
+        check("cuMemRelease", released)?;
+        let access = sys::CUmemAccessDesc {
+            location: self.inner.alloc_prop().location,
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: the whole range was mapped just above.
+        let granted = check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(addr, bytes, &access, 1) });
+        if granted.is_err() {
+            // SAFETY: mapped just above and never handed out: nothing can use it.
+            let _ = check("cuMemUnmap", unsafe { sys::cuMemUnmap(addr, bytes) });
         }
-        mapped
+        granted
     }
 
     unsafe fn unmap(&self, addr: u64, bytes: usize) -> Result<()> {
         self.inner.enter()?;
         self.inner.aligned("unmap", addr, bytes as u64)?;
-        self.inner.unmap_pages(addr, bytes as u64)
+        // SAFETY: the caller guarantees nothing uses the range and that it is exactly one
+        // mapping (the driver rejects anything else); unmapping frees the memory, whose handle
+        // was released when it was mapped.
+        check("cuMemUnmap", unsafe { sys::cuMemUnmap(addr, bytes) })
     }
 }
 

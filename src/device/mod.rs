@@ -235,11 +235,13 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// # Safety
     /// No page under the range is mapped, and no work still uses addresses inside it.
     unsafe fn release(&self, base: u64, bytes: u64) -> Result<()>;
-    /// Back `[addr, addr + bytes)` with physical pages, readable and writable by the device.
-    /// Both are multiples of the granularity, inside a reserved range, and nothing under it
-    /// is mapped. Each page is mapped on its own, so any page can later be unmapped alone.
+    /// Back `[addr, addr + bytes)` with physical memory, readable and writable by the device,
+    /// as one allocation (one `cuMemCreate` on CUDA: a run of pages costs far less mapped in
+    /// one call than page by page). Both are multiples of the granularity, inside a reserved
+    /// range, and nothing under it is mapped.
     fn map(&self, addr: u64, bytes: usize) -> Result<()>;
-    /// Unmap pages mapped by [`Device::map`] and give their memory back to the device.
+    /// Unmap exactly one range mapped by one [`Device::map`] call (as CUDA requires: not part
+    /// of one, not two at once) and give its memory back to the device.
     ///
     /// # Safety
     /// No work, queued or running, may still use the range; its contents are lost.

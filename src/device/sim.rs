@@ -72,6 +72,8 @@ struct MemState {
     reservations: HashMap<u64, u64>,
     /// Base addresses of mapped pages.
     mapped: BTreeSet<u64>,
+    /// Each map call's range (base → length): as on CUDA, an unmap must name exactly one.
+    mappings: HashMap<u64, u64>,
     /// Sticky fault: once a stream touched memory it must not, every call fails (a CUDA
     /// context is dead after an illegal address).
     fault: Option<String>,
@@ -628,6 +630,7 @@ impl Device for SimDevice {
         for page in (addr..addr + len).step_by(g as usize) {
             mem.mapped.insert(page);
         }
+        mem.mappings.insert(addr, len);
         self.inner.committed.fetch_add(len, Ordering::AcqRel);
         Ok(())
     }
@@ -640,9 +643,16 @@ impl Device for SimDevice {
             return Err(Error::InvalidArgument(format!("unmap [{addr:#x}, +{bytes}) is not granularity-aligned")));
         }
         let mut mem = lock(&self.inner.mem);
-        if (addr..addr + len).step_by(g as usize).any(|p| !mem.mapped.contains(&p)) {
-            return Err(sim_err("cuMemUnmap", format!("[{addr:#x}, +{bytes}) is not wholly mapped")));
+        if mem.mappings.get(&addr) != Some(&len) {
+            // cuMemUnmap: "the range must be the entire contiguous address range that was
+            // mapped to"; part of a mapping, or two of them, is refused.
+            return Err(Error::Device {
+                call: "cuMemUnmap",
+                code: 1,
+                message: format!("[{addr:#x}, +{bytes}) is not exactly one mapping"),
+            });
         }
+        mem.mappings.remove(&addr);
         // SAFETY: the range is mapped pages of our own reservation; the caller guarantees no
         // work still uses it. DONTNEED drops the contents (the memory goes back at once) and
         // PROT_NONE makes later use fault, as on a GPU.
@@ -801,7 +811,15 @@ mod tests {
         assert_eq!(eight, [1, 2, 3, 4, 5, 6, 7, 8]);
         assert_eq!(dev.committed_bytes(), 4 * g as u64);
         // SAFETY: the stream is synchronized; nothing uses the pages any more.
-        unsafe { dev.unmap(base, 4 * g).unwrap() };
+        let across = unsafe { dev.unmap(base, 4 * g) };
+        assert!(matches!(across, Err(Error::Device { call: "cuMemUnmap", .. })), "two mappings at once: {across:?}");
+        // SAFETY: as above.
+        let part = unsafe { dev.unmap(base, g) };
+        assert!(matches!(part, Err(Error::Device { call: "cuMemUnmap", .. })), "half a mapping: {part:?}");
+        // SAFETY: as above.
+        unsafe { dev.unmap(base, 2 * g).unwrap() };
+        // SAFETY: as above.
+        unsafe { dev.unmap(base + 2 * g as u64, 2 * g).unwrap() };
         assert_eq!(dev.committed_bytes(), 0);
         assert!(dev.memset(base, 0, 16, &s).is_err(), "memset on unmapped memory must fail");
         // SAFETY: nothing is mapped or in use.
