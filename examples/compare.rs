@@ -106,20 +106,9 @@ fn or_die<T>(what: &str, r: vrampool::Result<T>) -> T {
 }
 
 fn symbols_present() -> Result<(), String> {
-    let looked_up = std::panic::catch_unwind(|| {
-        // SAFETY: CudaDevice::new succeeded, so the library loads; culib opens it once.
-        let lib = unsafe { sys::culib() };
-        SYMBOLS
-            .iter()
-            // SAFETY: the symbol is only looked up, never called through this type.
-            .filter(|name| unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err())
-            .copied()
-            .collect::<Vec<_>>()
-    });
-    match looked_up {
-        Ok(missing) if missing.is_empty() => Ok(()),
-        Ok(missing) => Err(format!("the CUDA driver lacks {}", missing.join(", "))),
-        Err(_) => Err("the CUDA driver library could not be loaded".into()),
+    match vrampool::device::cuda::missing_symbols(SYMBOLS)? {
+        missing if missing.is_empty() => Ok(()),
+        missing => Err(format!("the CUDA driver lacks {}", missing.join(", "))),
     }
 }
 

@@ -84,27 +84,33 @@ const SYMBOLS: &[&str] = &[
 
 /// Whether the driver library loads and has every symbol we call; `Err` says what is missing.
 fn driver_present() -> Result<(), String> {
+    match missing_symbols(SYMBOLS)? {
+        missing if missing.is_empty() => Ok(()),
+        missing => Err(format!("the CUDA driver is too old: it lacks {}", missing.join(", "))),
+    }
+}
+
+/// Which of `names` the CUDA driver library lacks; `Err` if it cannot be loaded at all.
+/// cudarc panics when a symbol it calls is missing: look first, for any driver function a
+/// program means to call directly.
+pub fn missing_symbols<'a>(names: &[&'a str]) -> Result<Vec<&'a str>, String> {
     // SAFETY: is_culib_present only tries to open the library and drops it again.
     if !unsafe { sys::is_culib_present() } {
         return Err("the CUDA driver library (libcuda) is not installed or not on the library path".into());
     }
     // Loading was just shown to work, so culib() will not take its panicking branch; the
     // catch is a second line of defence should the library vanish in between.
-    let looked_up = catch_unwind(|| {
+    catch_unwind(|| {
         // SAFETY: culib opens the driver library once, for the life of the process.
         let lib = unsafe { sys::culib() };
-        SYMBOLS
+        names
             .iter()
             // SAFETY: the symbol is only looked up, never called through this type.
             .filter(|name| unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err())
             .copied()
             .collect::<Vec<_>>()
-    });
-    match looked_up {
-        Ok(missing) if missing.is_empty() => Ok(()),
-        Ok(missing) => Err(format!("the CUDA driver is too old: it lacks {}", missing.join(", "))),
-        Err(_) => Err("the CUDA driver library could not be loaded".into()),
-    }
+    })
+    .map_err(|_| "the CUDA driver library could not be loaded".to_string())
 }
 
 /// The driver's name and words for `rc` ("CUDA_ERROR_OUT_OF_MEMORY: out of memory").
