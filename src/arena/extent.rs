@@ -824,10 +824,13 @@ mod tests {
         let range = 64 * MIB;
         let e = Extents::new(1 << 40, range, G).unwrap();
         let owner: Vec<StdU64> = (0..range / G).map(|_| StdU64::new(0)).collect();
+        // All threads start together, so their operations overlap.
+        let start = std::sync::Barrier::new(THREADS as usize);
         std::thread::scope(|s| {
             for t in 1..=THREADS {
-                let (e, owner) = (&e, &owner);
+                let (e, owner, start) = (&e, &owner, &start);
                 s.spawn(move || {
+                    start.wait();
                     let mut rng = 0x9e37_79b9_7f4a_7c15u64 ^ t;
                     let mut next = move || {
                         rng ^= rng << 13;
@@ -836,6 +839,7 @@ mod tests {
                         rng
                     };
                     let mut mine: Vec<(u64, u64)> = vec![];
+                    let mut got = 0;
                     let give = |(a, b): (u64, u64)| {
                         let s = ((a - e.base()) / G) as usize;
                         for o in &owner[s..s + b.div_ceil(G) as usize] {
@@ -856,6 +860,7 @@ mod tests {
                                         assert_eq!(r, Ok(0), "granule handed out twice");
                                     }
                                     mine.push((a, bytes));
+                                    got += 1;
                                 }
                                 None => {
                                     if let Some(x) = mine.pop() {
@@ -871,6 +876,7 @@ mod tests {
                     for x in mine {
                         give(x);
                     }
+                    assert!(got > OPS / 4, "the range was full too often: {got} allocations");
                 });
             }
         });
