@@ -10,6 +10,7 @@
 //! on free. Keeping them apart keeps each protocol small enough to model-check with loom.
 
 pub mod buddy;
+pub mod extent;
 pub mod hbitmap;
 pub mod pages;
 
@@ -17,5 +18,6 @@ pub mod pages;
 mod tests;
 
 pub use buddy::{Arena, MIN_BLOCK, MIN_ORDER};
+pub use extent::Extents;
 pub use hbitmap::{HBitmap, SetOutcome};
 pub use pages::{Acquire, PageMap};

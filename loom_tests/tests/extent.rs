@@ -1,0 +1,222 @@
+//! loom models of the first-fit extent allocator: two claims racing for one run, a claim
+//! racing a free of the neighbouring run, a rollback racing another claim, and a racing
+//! double free that must not touch other blocks.
+//!
+//! Tiny configurations (128 granules: two bitmap words, one chunk) and two threads, so each
+//! model runs in seconds at `LOOM_MAX_PREEMPTIONS=2`:
+//!
+//! `RUSTFLAGS="--cfg loom --cfg crossbeam_loom" LOOM_MAX_PREEMPTIONS=2 cargo test -p loom_tests --release --test extent`
+#![cfg(loom)]
+
+use loom::sync::Arc;
+use loom::thread;
+use vrampool::arena::Extents;
+
+const G: u64 = 64 << 10;
+const GRANULES: u64 = 128;
+const RANGE: u64 = GRANULES * G;
+
+fn free_runs(e: &Extents) -> Vec<(u64, u64)> {
+    let mut v = vec![];
+    e.for_each_free(|a, l| v.push((a, l)));
+    v
+}
+
+/// The checks every model makes once quiet: `live` (address, bytes) blocks are disjoint and
+/// granule-aligned, the free runs are exactly the complement of them, and `free_bytes` agrees.
+fn check_quiet(e: &Extents, live: &[(u64, u64)]) {
+    let mut used = [false; GRANULES as usize];
+    for &(a, b) in live {
+        assert_eq!(a % G, 0, "misaligned block {a:#x}");
+        for u in &mut used[(a / G) as usize..((a + b) / G) as usize] {
+            assert!(!*u, "blocks overlap at {a:#x}: {live:?}");
+            *u = true;
+        }
+    }
+    let mut want: Vec<(u64, u64)> = vec![];
+    for (i, &u) in used.iter().enumerate() {
+        if !u {
+            let a = i as u64 * G;
+            match want.last_mut() {
+                Some((s, l)) if *s + *l == a => *l += G,
+                _ => want.push((a, G)),
+            }
+        }
+    }
+    assert_eq!(free_runs(e), want);
+    assert_eq!(e.free_bytes(), want.iter().map(|&(_, l)| l).sum::<u64>());
+}
+
+/// Once quiet, an allocation of one granule takes the lowest free granule: the scan hint was
+/// not left above a free granule by the race.
+fn check_quiet_first_fit(e: &Extents) {
+    let lowest = free_runs(e).first().map(|&(a, _)| a);
+    let got = e.alloc(G);
+    assert_eq!(got, lowest, "not the first fit once quiet");
+    if let Some(a) = got {
+        assert!(e.free(a, G));
+    }
+}
+
+/// Two threads want 40 granules where the first fit is [16, 56): one gets it, the other the
+/// next run, [56, 96), which crosses the word boundary. Neither may get `None` (there is room
+/// for both throughout) and the blocks never overlap.
+#[test]
+fn two_allocs_racing_for_one_run_end_disjoint() {
+    loom::model(|| {
+        let e = Arc::new(Extents::new(0, RANGE, G).unwrap());
+        assert_eq!(e.alloc(16 * G), Some(0));
+        let e1 = e.clone();
+        let t = thread::spawn(move || e1.alloc(40 * G));
+        let mine = e.alloc(40 * G);
+        let theirs = t.join().unwrap();
+        let (Some(x), Some(y)) = (mine, theirs) else { panic!("room for both: {mine:?} {theirs:?}") };
+        let mut got = [x, y];
+        got.sort_unstable();
+        assert_eq!(got, [16 * G, 56 * G]);
+        check_quiet(&e, &[(0, 16 * G), (x, 40 * G), (y, 40 * G)]);
+        check_quiet_first_fit(&e);
+    });
+}
+
+/// Two threads want 64 granules and 112 are free in one run, so only one can fit: exactly one
+/// wins; the other must answer `None`, and only because the final state has no room for it,
+/// never because it saw the winner's claim half done. The winner usually gets [16, 80); but
+/// if it saw the loser holding [16, 64) mid-claim, it takes [64, 128) and the loser rolls
+/// back (first fit is relative to the claims in flight).
+#[test]
+fn two_allocs_racing_for_the_only_fit_one_wins() {
+    loom::model(|| {
+        let e = Arc::new(Extents::new(0, RANGE, G).unwrap());
+        assert_eq!(e.alloc(16 * G), Some(0));
+        let e1 = e.clone();
+        let t = thread::spawn(move || e1.alloc(64 * G));
+        let mine = e.alloc(64 * G);
+        let theirs = t.join().unwrap();
+        let won = match (mine, theirs) {
+            (Some(x), None) | (None, Some(x)) => x,
+            other => panic!("exactly one fits: {other:?}"),
+        };
+        assert!(won == 16 * G || won == 64 * G, "{won:#x}");
+        assert!(e.largest_free() < 64 * G);
+        check_quiet(&e, &[(0, 16 * G), (won, 64 * G)]);
+        check_quiet_first_fit(&e);
+    });
+}
+
+/// One thread frees the block [16, 72) (it crosses the word boundary) while the other asks
+/// for 40 granules. Before the free the first fit is [80, 120), after it [0, 40): the
+/// allocation gets one of those, never `None` (48 granules were free throughout), and never
+/// overlaps the block that stays live.
+#[test]
+fn alloc_racing_a_free_of_the_neighbouring_run() {
+    loom::model(|| {
+        let e = Arc::new(Extents::new(0, RANGE, G).unwrap());
+        assert_eq!(e.alloc(16 * G), Some(0));
+        assert_eq!(e.alloc(56 * G), Some(16 * G));
+        assert_eq!(e.alloc(8 * G), Some(72 * G));
+        assert!(e.free(0, 16 * G));
+        let e1 = e.clone();
+        let t = thread::spawn(move || assert!(e1.free(16 * G, 56 * G)));
+        let got = e.alloc(40 * G).expect("48 granules were free all along");
+        t.join().unwrap();
+        assert!(got == 0 || got == 80 * G, "not a first fit: {got:#x}");
+        check_quiet(&e, &[(72 * G, 8 * G), (got, 40 * G)]);
+        check_quiet_first_fit(&e);
+        assert!(e.free(got, 40 * G) && e.free(72 * G, 8 * G));
+        assert_eq!(free_runs(&e), vec![(0, RANGE)]);
+    });
+}
+
+/// On an empty range one thread asks for 80 granules (it claims word 0 whole, then 16 bits of
+/// word 1) and the other for 40. The second may see the first's claim of word 0 half done and
+/// take [64, 104); the first must then roll word 0 back, and answer `None` only if the final
+/// state truly has no run of 80. Whatever the order, the blocks are disjoint and the
+/// rolled-back granules are free again.
+#[test]
+fn a_rollback_racing_another_claim() {
+    loom::model(|| {
+        let e = Arc::new(Extents::new(0, RANGE, G).unwrap());
+        let e1 = e.clone();
+        let t = thread::spawn(move || e1.alloc(40 * G));
+        let big = e.alloc(80 * G);
+        let small = t.join().unwrap().expect("40 granules always fit");
+        let mut live = vec![(small, 40 * G)];
+        match big {
+            Some(b) => {
+                assert!((b, small) == (0, 80 * G) || (b, small) == (40 * G, 0), "{b:#x} {small:#x}");
+                live.push((b, 80 * G));
+            }
+            None => {
+                assert_eq!(small, 64 * G, "None only when the small block split the range");
+                assert!(e.largest_free() < 80 * G);
+            }
+        }
+        check_quiet(&e, &live);
+        check_quiet_first_fit(&e);
+    });
+}
+
+/// A double free of one block (spanning both words) racing itself, the caller's bug: each
+/// granule is cleared once, the block next to it keeps its bits, and `free_bytes` stays exact.
+/// At most one free reports success (both report failure when each cleared one word first).
+#[test]
+fn a_racing_double_free_touches_only_its_own_bits() {
+    loom::model(|| {
+        let e = Arc::new(Extents::new(0, RANGE, G).unwrap());
+        assert_eq!(e.alloc(40 * G), Some(0));
+        assert_eq!(e.alloc(60 * G), Some(40 * G));
+        let e1 = e.clone();
+        let t = thread::spawn(move || e1.free(40 * G, 60 * G));
+        let mine = e.free(40 * G, 60 * G);
+        let theirs = t.join().unwrap();
+        assert!(!(mine && theirs), "each bit is cleared once");
+        check_quiet(&e, &[(0, 40 * G)]);
+        check_quiet_first_fit(&e);
+    });
+}
+
+/// One thread's first request (16 granules) may land at [64, 80) while the other holds word 0
+/// mid-claim for 80 granules, forcing that claim to roll back; its second request (60) may
+/// walk while word 0 is still held. It must then wait for the rollback rather than answer
+/// `None`: since nothing is freed after it, a `None` is right only if the final state has no
+/// run of 60 (and likewise for the claim of 80).
+#[test]
+fn a_failed_walk_waits_for_a_rollback_in_flight() {
+    loom::model(|| {
+        let e = Arc::new(Extents::new(0, RANGE, G).unwrap());
+        let e1 = e.clone();
+        let t = thread::spawn(move || (e1.alloc(16 * G).expect("16 granules always fit"), e1.alloc(60 * G)));
+        let big = e.alloc(80 * G);
+        let (first, second) = t.join().unwrap();
+        let mut live = vec![(first, 16 * G)];
+        live.extend(big.map(|b| (b, 80 * G)));
+        live.extend(second.map(|b| (b, 60 * G)));
+        if big.is_none() {
+            assert!(e.largest_free() < 80 * G, "80 granules fit: {:?}", free_runs(&e));
+        }
+        if second.is_none() {
+            assert!(e.largest_free() < 60 * G, "60 granules fit: {:?}", free_runs(&e));
+        }
+        check_quiet(&e, &live);
+        check_quiet_first_fit(&e);
+    });
+}
+
+/// A walk that reads the hint while word 0 is full, racing a free of word 0: the walk may
+/// not raise the hint past the freed granules (a free below an already-low hint must still
+/// make a raise from the old value fail), so once quiet the lowest free granule is found.
+#[test]
+fn a_walk_racing_a_free_below_it_never_leaves_the_hint_high() {
+    loom::model(|| {
+        let e = Arc::new(Extents::new(0, RANGE, G).unwrap());
+        assert_eq!(e.alloc(64 * G), Some(0));
+        let e1 = e.clone();
+        let t = thread::spawn(move || assert!(e1.free(0, 64 * G)));
+        let got = e.alloc(6 * G).expect("64 granules free throughout");
+        t.join().unwrap();
+        assert!(got == 0 || got == 64 * G, "{got:#x}");
+        check_quiet(&e, &[(got, 6 * G)]);
+        check_quiet_first_fit(&e);
+    });
+}
