@@ -3,6 +3,8 @@
 //!
 //! * [`hbitmap`]: a lock-free hierarchical bitmap with lazily made nodes, one per buddy order.
 //! * [`buddy`]: the [`Arena`]: lowest-first placement, exact sizes, coalescing frees.
+//! * [`extent`]: [`Extents`]: first-fit runs of 64 KiB granules, for large blocks.
+//! * [`space`]: [`Space`]: the buddy for small blocks, extents for large ones.
 //! * [`pages`]: the [`PageMap`]: per-page state and live-block counts, mapping on demand.
 //!
 //! The arena and the page map know nothing of each other: the pool allocates an address range
@@ -13,6 +15,7 @@ pub mod buddy;
 pub mod extent;
 pub mod hbitmap;
 pub mod pages;
+pub mod space;
 
 #[cfg(test)]
 mod tests;
@@ -21,3 +24,4 @@ pub use buddy::{Arena, MIN_BLOCK, MIN_ORDER};
 pub use extent::Extents;
 pub use hbitmap::{HBitmap, SetOutcome};
 pub use pages::{Acquire, PageMap};
+pub use space::Space;

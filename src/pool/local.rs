@@ -22,8 +22,14 @@ use crate::sync::atomic::Ordering;
 use crate::sync::epoch;
 
 /// On a miss, a block of up to this many classes larger (one doubling: at most twice the
-/// size) that the cache already holds is used instead of new memory.
+/// size) that the cache already holds is used instead of new memory: the random sizes of a
+/// serving workload hit far more often so (99% against 91% on the random window).
 const BORROW_CLASSES: usize = 8;
+
+/// ... but for large blocks only this many (a quarter of a doubling): the extra capacity is
+/// held while the block lives, and on large blocks it shows in the footprint (a whole
+/// doubling cost resnet_varbatch 1.058 → 1.115 peak reserved ÷ peak live).
+const BORROW_CLASSES_LARGE: usize = 2;
 
 /// The unit in which thread caches reserve cache budget.
 fn budget_chunk(config: &super::PoolConfig) -> u64 {
@@ -144,7 +150,8 @@ impl ThreadCache {
         let size = class::size_of_class(class);
         self.shared.enter_wait();
         // SAFETY: entered above.
-        let larger = unsafe { self.shared.pop_larger(class, BORROW_CLASSES, class::size_of_class) };
+        let within = if size < pool.config.large_block_threshold { BORROW_CLASSES } else { BORROW_CLASSES_LARGE };
+        let larger = unsafe { self.shared.pop_larger(class, within, class::size_of_class) };
         self.shared.exit();
         if let Some((a, c)) = larger {
             return Ok(self.block(a, bytes, class::size_of_class(c), c));
