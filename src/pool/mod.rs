@@ -484,8 +484,7 @@ impl PoolInner {
         // the arena, so a cache gives back only as much as the request needs: one emptied on
         // every such miss would never warm up.
         Counters::bump(&self.counters.ladder_flushes, 1);
-        let cached_here = own.map_or(0, |tc| Counters::get(&tc.shared.counters.cached_bytes));
-        let mut target = size.saturating_mul(2).max(self.config.magazine_bytes).max(cached_here / 4);
+        let mut target = size.saturating_mul(2).max(self.config.magazine_bytes);
         for round in 0..4 {
             if round == 3 {
                 target = u64::MAX;
