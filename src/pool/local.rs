@@ -26,11 +26,11 @@ use crate::sync::epoch;
 /// serving workload hit far more often so (99% against 91% on the random window).
 const BORROW_CLASSES: usize = 8;
 
-/// ... but for large blocks only this many (half a doubling): the extra capacity is held
-/// while the block lives, and on large blocks it shows in the footprint (a whole doubling
-/// cost resnet_varbatch 1.078 → 1.104 peak reserved ÷ peak live; a quarter doubling tripled
-/// the random window's misses on an H200).
-const BORROW_CLASSES_LARGE: usize = 4;
+/// ... but for large blocks only this many (three quarters of a doubling): the extra
+/// capacity is held while the block lives, and on large blocks it shows in the footprint (a
+/// whole doubling cost resnet_varbatch 1.078 → 1.104 peak reserved ÷ peak live; a quarter
+/// doubling tripled the random window's misses on an H200).
+const BORROW_CLASSES_LARGE: usize = 6;
 
 /// The unit in which thread caches reserve cache budget.
 fn budget_chunk(config: &super::PoolConfig) -> u64 {
