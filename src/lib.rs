@@ -1,4 +1,26 @@
 //! vrampool: a lock-free, concurrent, stream-ordered pool allocator for GPU device memory.
+//!
+//! A [`Pool`] hands out [`Block`]s of device memory for use on a [`Stream`]; dropping a block
+//! frees it in stream order. Each worker thread gets its own cache per stream (T0), caches
+//! trade whole magazines with per-stream depots (T1), freed memory leaves a stream's domain
+//! in batches behind one event each (T2), and everything comes from one lock-free arena over
+//! a reserved address range whose physical pages are mapped on demand (T3). No lock on any
+//! path. The devices: `CudaDevice` (feature `cuda`, the driver API loaded at run time) and
+//! [`SimDevice`], a simulated GPU as strict as CUDA. See `IMPLEMENTATION.md` for the
+//! algorithms and `../shared/DESIGN.md` for the contract.
+//!
+//! ```
+//! use vrampool::{Pool, PoolConfig, SimDevice};
+//! let dev = SimDevice::new(1 << 30);
+//! let pool = Pool::new(dev.clone(), PoolConfig::default())?;
+//! let s = dev.new_stream()?;
+//! let b = pool.alloc(4096, &s)?;
+//! assert_eq!(b.device_ptr() % 256, 0);
+//! drop(b);
+//! pool.trim()?;
+//! pool.check()?;
+//! # Ok::<(), vrampool::Error>(())
+//! ```
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
@@ -23,7 +45,6 @@ pub mod cache;
 #[allow(dead_code, unused_imports)]
 pub(crate) mod cache;
 
-#[allow(dead_code)]
 pub(crate) mod class;
 pub mod device;
 pub mod error;
