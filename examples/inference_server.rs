@@ -64,10 +64,12 @@ fn main() -> Result<(), vrampool::Error> {
         elapsed.as_nanos() as f64 / allocations as f64
     );
     println!(
-        "peak allocated {:.1} MiB, peak reserved {:.1} MiB; same-stream reuses {}, events recorded {}, batches retired {}",
+        "peak allocated {:.1} MiB, peak reserved {:.1} MiB; thread-cache hits {:.1}%, depot hits {:.1}%; \
+         events recorded {}, batches retired {}",
         st.peak_allocated_bytes as f64 / (1 << 20) as f64,
         st.peak_reserved_bytes as f64 / (1 << 20) as f64,
-        st.same_stream_reuses,
+        100.0 * st.t0_hit_rate(),
+        100.0 * st.t1_hit_rate(),
         st.events_recorded,
         st.batches_retired
     );
