@@ -1,18 +1,21 @@
 //! The pool: [`Pool`], [`PoolConfig`], the tiers' wiring, and the out-of-memory ladder.
 //!
-//! A pool owns one reserved address range of its device, the lock-free buddy [`Arena`] (T3)
-//! over it, the [`PageMap`] that maps physical pages under it on demand, and per stream it
-//! has seen a [`StreamState`]: the stream's depots (T1, one per size class) and its retire
-//! queue (T2). Each thread that uses a stream gets a thread cache (T0, [`local`]).
+//! A pool owns one reserved address range of its device, the lock-free arena over it (T3,
+//! [`Space`]: a buddy for blocks under 2 MiB in one half, first-fit 64 KiB extents for larger
+//! ones in the other), the [`PageMap`] that maps physical pages under it on demand, and per
+//! stream it has seen a [`StreamState`]: the stream's depots (T1, one per size class) and its
+//! retire queue (T2). Each thread that uses a stream gets a thread cache (T0, [`local`]).
 //!
 //! **Alloc** of a cached class on stream S: the thread's cache for S (no atomic RMW, no
-//! lock, no driver call), else a full magazine from S's depot, else the ladder:
-//! the arena without mapping → poll every stream's retire queue → flush this thread's cache
-//! and every depot into retire, close every open batch (one event each) and poll → map more
-//! pages under `max_reserved` → wait on the oldest pending events, one at a time → take the
-//! blocks of other threads' idle caches → unmap wholly free pages and map again → only
-//! then [`Error::OutOfMemory`] with the figures. Requests above the largest cached class
-//! skip T0 and T1: they reuse a block freed on the same stream if one fits, else the ladder.
+//! lock, no driver call), else a full magazine from S's depot, else a block of a slightly
+//! larger class the cache holds, else the ladder: the arena without mapping → poll every
+//! stream's retire queue → flush this thread's cache and the depots into retire in rounds,
+//! largest classes first, closing every open batch (one event each) and polling after each
+//! → map more pages under `max_reserved`, first unmapping free pages elsewhere if the pool
+//! would pass its peak → wait on the oldest pending events, one at a time → take the blocks
+//! of other threads' idle caches → unmap wholly free pages and map again → only then
+//! [`Error::OutOfMemory`] with the figures. Requests above the largest cached class skip T0
+//! and T1: they reuse a block freed on the same stream if one fits, else the ladder.
 //!
 //! **Free** (dropping a [`Block`]) pushes the block into the dropping thread's cache for
 //! the block's stream; a full cache trades a magazine with the depot; past the depot's bound
