@@ -70,22 +70,19 @@
 //!   A successful claim only sets bits, so it need not bump `changes`: the state at the end of
 //!   such a walk then truly has no run of `k`.
 
-use crate::sync::atomic::{fence, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
+use super::words::LazyWords;
+use crate::sync::atomic::{fence, AtomicU64, AtomicUsize, Ordering};
 use crate::sync::spin_hint;
 use crate::Error;
 
 /// Bitmap words per chunk: 32768 granules (2 GiB at 64 KiB granules), 4 KiB of bits.
-pub const CHUNK: usize = 512;
+pub use super::words::CHUNK;
 /// The most granules an allocator may cover (256 TiB at 64 KiB): word indices then fit the
 /// hint's low 32 bits, and the directory (made eagerly) stays at most 1 MiB.
 pub const MAX_GRANULES: u64 = 1 << 32;
 /// The hint's word index; the upper 32 bits are its sequence number.
 const HINT_INDEX: u64 = u32::MAX as u64;
 const BITS: u64 = u64::BITS as u64;
-
-struct Chunk {
-    words: Box<[AtomicU64]>,
-}
 
 /// The lock-free first-fit extent allocator over one address range. See the module docs.
 pub struct Extents {
@@ -96,7 +93,7 @@ pub struct Extents {
     granules: u64,
     /// Bitmap words: `granules.div_ceil(64)`.
     words: usize,
-    dir: Box<[AtomicPtr<Chunk>]>,
+    bits: LazyWords,
     free_bytes: AtomicU64,
     /// `seq << 32 | word`: every word below `word` is full (see the module docs).
     hint: AtomicU64,
@@ -105,12 +102,6 @@ pub struct Extents {
     /// Bumped by every free and rollback, before it leaves `in_flight`.
     changes: AtomicUsize,
 }
-
-// SAFETY: all shared state is atomic; chunk pointers are owned by the allocator and freed
-// only in `Drop`, which needs exclusive access.
-unsafe impl Send for Extents {}
-// SAFETY: as above; `&Extents` reads chunks only through atomics and never frees them.
-unsafe impl Sync for Extents {}
 
 impl std::fmt::Debug for Extents {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -178,14 +169,13 @@ impl Extents {
         }
         let granules = len / granule;
         let words = granules.div_ceil(BITS) as usize;
-        let dir = (0..words.div_ceil(CHUNK)).map(|_| AtomicPtr::new(std::ptr::null_mut())).collect();
         Ok(Extents {
             base,
             len,
             shift: granule.trailing_zeros(),
             granules,
             words,
-            dir,
+            bits: LazyWords::new(words),
             free_bytes: AtomicU64::new(len),
             hint: AtomicU64::new(0),
             in_flight: AtomicUsize::new(0),
@@ -214,35 +204,9 @@ impl Extents {
         self.free_bytes.load(Ordering::Acquire)
     }
 
-    fn chunk(slot: &AtomicPtr<Chunk>) -> Option<&Chunk> {
-        let p = slot.load(Ordering::Acquire);
-        // SAFETY: a non-null slot holds a chunk published by `word` from `Box::into_raw` with
-        // a release CAS, freed only in `Drop`, which cannot run while `&self` lives.
-        unsafe { p.as_ref() }
-    }
-
     /// The word `i`, making its chunk when `make`; `None` past the end, or absent and not made.
     fn word(&self, i: usize, make: bool) -> Option<&AtomicU64> {
-        let slot = self.dir.get(i / CHUNK)?;
-        let chunk = match Self::chunk(slot) {
-            Some(c) => c,
-            None if !make => return None,
-            None => {
-                let len = CHUNK.min(self.words - i / CHUNK * CHUNK);
-                let fresh = Box::into_raw(Box::new(Chunk { words: (0..len).map(|_| AtomicU64::new(0)).collect() }));
-                match slot.compare_exchange(std::ptr::null_mut(), fresh, Ordering::AcqRel, Ordering::Acquire) {
-                    // SAFETY: published just now; lives until `Drop` (see `chunk`).
-                    Ok(_) => unsafe { &*fresh },
-                    Err(theirs) => {
-                        // SAFETY: `fresh` was never shared: the CAS that would publish it failed.
-                        drop(unsafe { Box::from_raw(fresh) });
-                        // SAFETY: non-null (the CAS failed against it), published as in `chunk`.
-                        unsafe { &*theirs }
-                    }
-                }
-            }
-        };
-        chunk.words.get(i % CHUNK)
+        self.bits.get(i, make)
     }
 
     /// Bits of word `i` past the last granule, which must read as taken.
@@ -264,7 +228,7 @@ impl Extents {
         let mut i = from;
         while i < self.words {
             let chunk_end = ((i / CHUNK + 1) * CHUNK).min(self.words);
-            let Some(chunk) = self.dir.get(i / CHUNK).and_then(Self::chunk) else {
+            let Some(chunk) = self.bits.chunk(i / CHUNK) else {
                 // An absent chunk: all free, up to the end of the range.
                 let g = i as u64 * BITS;
                 if len == 0 {
@@ -279,8 +243,7 @@ impl Extents {
                 continue;
             };
             while i < chunk_end {
-                let taken =
-                    chunk.words.get(i % CHUNK).map_or(u64::MAX, |w| w.load(Ordering::Acquire)) | self.past_end(i);
+                let taken = chunk.get(i % CHUNK).map_or(u64::MAX, |w| w.load(Ordering::Acquire)) | self.past_end(i);
                 let g = i as u64 * BITS;
                 i += 1;
                 if taken == 0 {
@@ -495,19 +458,6 @@ impl Extents {
     }
 }
 
-impl Drop for Extents {
-    fn drop(&mut self) {
-        for slot in self.dir.iter() {
-            let p = slot.swap(std::ptr::null_mut(), Ordering::Acquire);
-            if !p.is_null() {
-                // SAFETY: `p` came from `Box::into_raw` in `word`, published once; we own the
-                // allocator exclusively now and the swap leaves null, so it is freed once.
-                drop(unsafe { Box::from_raw(p) });
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -523,7 +473,7 @@ mod tests {
     }
 
     fn chunks_made(e: &Extents) -> usize {
-        e.dir.iter().filter(|s| Extents::chunk(s).is_some()).count()
+        e.bits.chunks_made()
     }
 
     #[test]

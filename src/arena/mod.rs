@@ -6,6 +6,7 @@
 //! * [`extent`]: [`Extents`]: first-fit runs of 64 KiB granules, for large blocks.
 //! * [`space`]: [`Space`]: the buddy for small blocks, extents for large ones.
 //! * [`pages`]: the [`PageMap`]: per-page state and live-block counts, mapping on demand.
+//! * [`words`]: the lazily made array of atomic words the page map and the extents share.
 //!
 //! The arena and the page map know nothing of each other: the pool allocates an address range
 //! from the arena, then acquires its pages (mapping those that are not), and does the reverse
@@ -16,6 +17,7 @@ pub mod extent;
 pub mod hbitmap;
 pub mod pages;
 pub mod space;
+pub mod words;
 
 #[cfg(test)]
 mod tests;

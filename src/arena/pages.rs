@@ -29,7 +29,8 @@
 //! second has nothing to do with the page until the first is done. That is the only wait, on
 //! device calls (tens of µs), never on another thread's bookkeeping.
 
-use crate::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
+use super::words::{LazyWords, CHUNK};
+use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::yield_now;
 use crate::Error;
 
@@ -50,8 +51,6 @@ const COUNT_SHIFT: u32 = 3;
 const ONE: u64 = 1 << COUNT_SHIFT;
 /// The most pages a map may map in one call (see [`PageMap::with_max_run`]).
 pub const MAX_RUN: usize = 64;
-/// Page words per chunk.
-const CHUNK: usize = 512;
 /// The most pages a map may cover (its directory is made eagerly: 2^30 / 512 pointers).
 const MAX_PAGES: u64 = 1 << 30;
 
@@ -64,17 +63,13 @@ pub enum Acquire {
     Failed(Error),
 }
 
-struct Chunk {
-    words: Box<[AtomicU64]>,
-}
-
 /// The page map of one address range. See the module docs.
 pub struct PageMap {
     base: u64,
     range: u64,
     page_shift: u32,
-    pages: usize,
-    dir: Box<[AtomicPtr<Chunk>]>,
+    /// One word per page.
+    words: LazyWords,
     mapped: AtomicU64,
     peak: AtomicU64,
     /// Pages `MAPPED` with count 0. Updated after the CAS that changes a page, so it may dip
@@ -83,12 +78,6 @@ pub struct PageMap {
     /// The most pages mapped in one call.
     max_run: usize,
 }
-
-// SAFETY: all shared state is atomic; chunk pointers are owned by the map and freed only in
-// `Drop`, which needs exclusive access.
-unsafe impl Send for PageMap {}
-// SAFETY: as above; `&PageMap` reads chunks only through atomics and never frees them.
-unsafe impl Sync for PageMap {}
 
 impl std::fmt::Debug for PageMap {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -114,13 +103,11 @@ impl PageMap {
             return Err(Error::InvalidArgument(format!("page map: range {range:#x} too large for page {page:#x}")));
         }
         let pages = (range / page) as usize;
-        let dir = (0..pages.div_ceil(CHUNK)).map(|_| AtomicPtr::new(std::ptr::null_mut())).collect();
         Ok(PageMap {
             base,
             range,
             page_shift: page.trailing_zeros(),
-            pages,
-            dir,
+            words: LazyWords::new(pages),
             mapped: AtomicU64::new(0),
             peak: AtomicU64::new(0),
             free_mapped: AtomicU64::new(0),
@@ -141,35 +128,9 @@ impl PageMap {
         1 << self.page_shift
     }
 
-    fn chunk(slot: &AtomicPtr<Chunk>) -> Option<&Chunk> {
-        let p = slot.load(Ordering::Acquire);
-        // SAFETY: a non-null slot holds a chunk published by `word` from `Box::into_raw` with
-        // a release CAS, freed only in `Drop`, which cannot run while `&self` lives.
-        unsafe { p.as_ref() }
-    }
-
     /// The word of page `p`, making its chunk when `make`.
     fn word(&self, p: usize, make: bool) -> Option<&AtomicU64> {
-        let slot = self.dir.get(p / CHUNK)?;
-        let chunk = match Self::chunk(slot) {
-            Some(c) => c,
-            None if !make => return None,
-            None => {
-                let len = CHUNK.min(self.pages - p / CHUNK * CHUNK);
-                let fresh = Box::into_raw(Box::new(Chunk { words: (0..len).map(|_| AtomicU64::new(0)).collect() }));
-                match slot.compare_exchange(std::ptr::null_mut(), fresh, Ordering::AcqRel, Ordering::Acquire) {
-                    // SAFETY: published just now; lives until `Drop` (see `chunk`).
-                    Ok(_) => unsafe { &*fresh },
-                    Err(theirs) => {
-                        // SAFETY: `fresh` was never shared: the CAS that would publish it failed.
-                        drop(unsafe { Box::from_raw(fresh) });
-                        // SAFETY: non-null (the CAS failed against it), published as in `chunk`.
-                        unsafe { &*theirs }
-                    }
-                }
-            }
-        };
-        chunk.words.get(p % CHUNK)
+        self.words.get(p, make)
     }
 
     /// Pages `first..=last` overlapping `[addr, addr + len)`, if that lies in the map.
@@ -376,7 +337,7 @@ impl PageMap {
     pub fn unmap_free(&self, keep_bytes: u64, unmap: &mut dyn FnMut(u64, usize) -> Result<(), Error>) -> u64 {
         let page = self.page_size();
         let mut unmapped = 0;
-        let mut p = self.pages;
+        let mut p = self.words.len();
         while p > 0 {
             p -= 1;
             if self.free_mapped_pages().saturating_mul(page) <= keep_bytes {
@@ -482,26 +443,13 @@ impl PageMap {
 
     /// Call `f(page_addr, count)` for every mapped page, lowest first: a walk, for checks.
     pub fn for_each_mapped(&self, mut f: impl FnMut(u64, u64)) {
-        for (c, slot) in self.dir.iter().enumerate() {
-            let Some(chunk) = Self::chunk(slot) else { continue };
-            for (j, w) in chunk.words.iter().enumerate() {
+        for c in 0..self.words.chunks() {
+            let Some(chunk) = self.words.chunk(c) else { continue };
+            for (j, w) in chunk.iter().enumerate() {
                 let v = w.load(Ordering::Acquire);
                 if v & STATE == MAPPED {
                     f(self.page_addr(c * CHUNK + j), v >> COUNT_SHIFT);
                 }
-            }
-        }
-    }
-}
-
-impl Drop for PageMap {
-    fn drop(&mut self) {
-        for slot in self.dir.iter() {
-            let p = slot.swap(std::ptr::null_mut(), Ordering::Acquire);
-            if !p.is_null() {
-                // SAFETY: `p` came from `Box::into_raw` in `word`, published once; we own the
-                // map exclusively now and the swap leaves null, so it is freed once.
-                drop(unsafe { Box::from_raw(p) });
             }
         }
     }
@@ -639,7 +587,7 @@ mod tests {
     fn metadata_grows_with_use() {
         let m = PageMap::new(0, 1 << 40, P).unwrap();
         m.acquire((1 << 40) - P, P, true, &mut |_, _| Ok(())).unwrap();
-        let made = m.dir.iter().filter(|s| PageMap::chunk(s).is_some()).count();
+        let made = m.words.chunks_made();
         assert_eq!(made, 1);
     }
 }

@@ -1,0 +1,114 @@
+//! A lazily made array of atomic words, for the page map and the extent bitmap.
+//!
+//! The words live in chunks of [`CHUNK`] made the first time a word in them is wanted and
+//! published with a CAS into a directory of `AtomicPtr`s (a loser frees its own chunk); chunks
+//! are freed only when the array drops. So metadata is one pointer per [`CHUNK`] words of the
+//! range plus the chunks in use: it grows with the part of the range in use, not the range.
+//! A chunk never made reads as all zero words.
+
+use crate::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
+
+/// Words per chunk.
+pub const CHUNK: usize = 512;
+
+struct Chunk {
+    words: Box<[AtomicU64]>,
+}
+
+/// `len` atomic words, all zero at first, made a chunk at a time.
+pub struct LazyWords {
+    len: usize,
+    dir: Box<[AtomicPtr<Chunk>]>,
+}
+
+// SAFETY: all shared state is atomic; chunk pointers are owned by the array and freed only in
+// `Drop`, which needs exclusive access.
+unsafe impl Send for LazyWords {}
+// SAFETY: as above; `&LazyWords` reads chunks only through atomics and never frees them.
+unsafe impl Sync for LazyWords {}
+
+impl LazyWords {
+    /// `len` words, none made yet.
+    pub fn new(len: usize) -> LazyWords {
+        LazyWords { len, dir: (0..len.div_ceil(CHUNK)).map(|_| AtomicPtr::new(std::ptr::null_mut())).collect() }
+    }
+
+    /// How many words.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The words of chunk `c` (words `c * CHUNK ..`), if it has been made.
+    pub fn chunk(&self, c: usize) -> Option<&[AtomicU64]> {
+        let p = self.dir.get(c)?.load(Ordering::Acquire);
+        // SAFETY: a non-null slot holds a chunk published by `get` from `Box::into_raw` with
+        // a release CAS, freed only in `Drop`, which cannot run while `&self` lives.
+        unsafe { p.as_ref() }.map(|c| &c.words[..])
+    }
+
+    /// Word `i`, making its chunk when `make`; `None` past the end, or absent and not made.
+    pub fn get(&self, i: usize, make: bool) -> Option<&AtomicU64> {
+        let c = i / CHUNK;
+        let slot = self.dir.get(c)?;
+        if let Some(words) = self.chunk(c) {
+            return words.get(i % CHUNK);
+        }
+        if !make {
+            return None;
+        }
+        let len = CHUNK.min(self.len - c * CHUNK);
+        let fresh = Box::into_raw(Box::new(Chunk { words: (0..len).map(|_| AtomicU64::new(0)).collect() }));
+        let chunk = match slot.compare_exchange(std::ptr::null_mut(), fresh, Ordering::AcqRel, Ordering::Acquire) {
+            // SAFETY: published just now; lives until `Drop` (see `chunk`).
+            Ok(_) => unsafe { &*fresh },
+            Err(theirs) => {
+                // SAFETY: `fresh` was never shared: the CAS that would publish it failed.
+                drop(unsafe { Box::from_raw(fresh) });
+                // SAFETY: non-null (the CAS failed against it), published as in `chunk`.
+                unsafe { &*theirs }
+            }
+        };
+        chunk.words.get(i % CHUNK)
+    }
+
+    /// How many chunk slots the directory has.
+    pub fn chunks(&self) -> usize {
+        self.dir.len()
+    }
+
+    /// How many chunks have been made.
+    pub fn chunks_made(&self) -> usize {
+        (0..self.dir.len()).filter(|&c| self.chunk(c).is_some()).count()
+    }
+}
+
+impl Drop for LazyWords {
+    fn drop(&mut self) {
+        for slot in self.dir.iter() {
+            let p = slot.swap(std::ptr::null_mut(), Ordering::Acquire);
+            if !p.is_null() {
+                // SAFETY: `p` came from `Box::into_raw` in `get`, published once; we own the
+                // array exclusively now and the swap leaves null, so it is freed once.
+                drop(unsafe { Box::from_raw(p) });
+            }
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn words_are_made_a_chunk_at_a_time_and_start_at_zero() {
+        let w = LazyWords::new(3 * CHUNK + 7);
+        assert_eq!((w.len(), w.chunks(), w.chunks_made()), (3 * CHUNK + 7, 4, 0));
+        assert!(w.get(CHUNK + 3, false).is_none(), "not made unless asked");
+        w.get(CHUNK + 3, true).unwrap().store(5, Ordering::Relaxed);
+        assert_eq!(w.chunks_made(), 1);
+        assert_eq!(w.chunk(1).unwrap()[3].load(Ordering::Relaxed), 5);
+        assert_eq!(w.get(3 * CHUNK + 6, true).unwrap().load(Ordering::Relaxed), 0);
+        assert_eq!(w.chunk(3).unwrap().len(), 7, "the last chunk is only as long as needed");
+        assert!(w.get(3 * CHUNK + 7, true).is_none(), "past the end");
+    }
+}
