@@ -98,7 +98,6 @@ fn ratio(a: u64, b: u64) -> f64 {
 /// The pool's counters.
 #[derive(Default)]
 pub(crate) struct Counters {
-    pub allocated: AtomicU64,
     pub peak_allocated: AtomicU64,
     pub live_blocks: AtomicU64,
     pub allocs: AtomicU64,
@@ -114,16 +113,16 @@ pub(crate) struct Counters {
 }
 
 impl Counters {
-    /// An allocation outside the thread caches. `allocated` may wrap below zero here while
-    /// the caches' own counters hold the matching allocations: only sums are meaningful.
-    pub(crate) fn on_alloc(&self, size: u64) {
-        self.allocated.fetch_add(size, Ordering::AcqRel);
+    /// An allocation outside the thread caches (bytes are not counted: the pool derives its
+    /// live bytes from the tiers). `live_blocks` may wrap below zero here while the caches'
+    /// own counters hold the matching allocations: only sums are meaningful.
+    pub(crate) fn on_alloc(&self) {
         self.live_blocks.fetch_add(1, Ordering::AcqRel);
         self.allocs.fetch_add(1, Ordering::Relaxed);
     }
 
-    pub(crate) fn on_free(&self, size: u64) {
-        self.allocated.fetch_sub(size, Ordering::AcqRel);
+    /// A free outside the thread caches.
+    pub(crate) fn on_free(&self) {
         self.live_blocks.fetch_sub(1, Ordering::AcqRel);
     }
 

@@ -85,9 +85,7 @@ impl ThreadCache {
         }
         self.shrink_budget();
         self.shared.exit();
-        for (cl, a) in spilled {
-            self.pool.retire_span(&self.stream, crate::reclaim::Span { addr: a, size: class::size_of_class(cl) });
-        }
+        self.pool.retire_cached(&self.stream, spilled);
         hit
     }
 
@@ -221,13 +219,9 @@ impl ThreadCache {
         };
         self.pool.release_budget(&self.shared);
         self.shared.exit();
-        for (c, a) in out {
-            self.pool.retire_span(&self.stream, crate::reclaim::Span { addr: a, size: class::size_of_class(c) });
-        }
+        self.pool.retire_cached(&self.stream, out);
     }
-}
 
-impl ThreadCache {
     /// Move about `target` bytes out to the stream's retire queue, largest classes first.
     pub(crate) fn flush_some(&self, target: u64) -> u64 {
         self.shared.enter_wait();
@@ -236,9 +230,7 @@ impl ThreadCache {
         let moved = unsafe { self.shared.drain_some(target, |c, a| out.push((c, a)), class::size_of_class) };
         self.shrink_budget();
         self.shared.exit();
-        for (c, a) in out {
-            self.pool.retire_span(&self.stream, crate::reclaim::Span { addr: a, size: class::size_of_class(c) });
-        }
+        self.pool.retire_cached(&self.stream, out);
         moved
     }
 }
@@ -394,16 +386,18 @@ pub(crate) fn stream_cache(pool: &Arc<PoolInner>, stream: &Arc<StreamState>) -> 
 #[inline]
 pub(crate) fn alloc(pool: &Arc<PoolInner>, stream: &Stream, bytes: usize) -> Option<Result<Block>> {
     let p = Arc::as_ptr(pool);
-    let hit = MEMO.try_with(|m| m.find(p, stream.id()).and_then(|tc| tc.try_hit(bytes))).ok()?;
-    if let Some(block) = hit {
-        return Some(Ok(block));
+    match MEMO.try_with(|m| m.find(p, stream.id()).map(|tc| tc.try_hit(bytes))).ok()? {
+        Some(Some(block)) => Some(Ok(block)),
+        // The memo's cache was tried and missed: straight to its slow path.
+        Some(None) => alloc_slow(pool, stream, bytes, true),
+        None => alloc_slow(pool, stream, bytes, false),
     }
-    alloc_slow(pool, stream, bytes)
 }
 
+/// `tried`: the cache's magazines and depot were already tried for this request.
 #[cold]
 #[inline(never)]
-fn alloc_slow(pool: &Arc<PoolInner>, stream: &Stream, bytes: usize) -> Option<Result<Block>> {
+fn alloc_slow(pool: &Arc<PoolInner>, stream: &Stream, bytes: usize, tried: bool) -> Option<Result<Block>> {
     let tc = match LOCAL.try_with(|l| l.find_rc(Arc::as_ptr(pool), stream.id())).ok()? {
         Some(tc) => {
             MEMO.try_with(|m| m.remember(Arc::as_ptr(pool), stream.id(), Rc::as_ptr(&tc))).ok()?;
@@ -414,7 +408,7 @@ fn alloc_slow(pool: &Arc<PoolInner>, stream: &Stream, bytes: usize) -> Option<Re
             Err(e) => return Some(Err(e)),
         },
     };
-    Some(tc.alloc(bytes))
+    Some(if tried && bytes != 0 { tc.alloc_slow(bytes) } else { tc.alloc(bytes) })
 }
 
 /// Free `block` into the calling thread's cache for its stream. False if that is not

@@ -412,7 +412,7 @@ impl PoolInner {
             }
             None => (self.alloc_arena(size, bytes, st, own)?, size),
         };
-        self.counters.on_alloc(size);
+        self.counters.on_alloc();
         Ok(Block {
             addr,
             len: bytes,
@@ -444,7 +444,7 @@ impl PoolInner {
             let c = &tc.shared.counters;
             crate::cache::thread::bump(&c.misses, 1);
         } else {
-            self.counters.on_alloc(size);
+            self.counters.on_alloc();
         }
         Ok(addr)
     }
@@ -718,14 +718,8 @@ impl PoolInner {
     fn on_stream_destroyed(&self, id: StreamId, stream: &Stream) {
         let Some(st) = self.streams.load().get(&id).cloned() else { return };
         let guard = epoch::pin();
-        for (class, d) in st.depots.iter().enumerate() {
-            let size = class::size_of_class(class);
-            for mut m in d.drain(&guard) {
-                m.drain(|addr| {
-                    st.retire.free(Span { addr, size });
-                });
-            }
-        }
+        // Before the flag: the depots' blocks join the open batch that the final event closes.
+        self.flush_stream_depots(&st, u64::MAX, &guard);
         st.destroyed.store(true, Ordering::Release);
         let _ = self.close_one(&st, &guard);
         if !st.retire.has_pending(&guard) {
@@ -753,7 +747,7 @@ impl PoolInner {
     /// A block that bypasses the caches on its way back: above the largest cached class,
     /// used on several streams, or dropped where this thread has no cache any more.
     pub(crate) fn free_slow(&self, addr: u64, size: u64, stream: StreamId, used_on: Vec<Stream>) {
-        self.counters.on_free(size);
+        self.counters.on_free();
         let span = Span { addr, size };
         let Some(st) = self.state_by_id(stream) else {
             // Only a destroyed stream's state is ever dropped, and only once its final event
@@ -785,6 +779,13 @@ impl PoolInner {
         }
     }
 
+    /// Blocks taken out of a cache, as (class, address), go to the stream's retire queue.
+    pub(crate) fn retire_cached(&self, st: &StreamState, blocks: Vec<(usize, u64)>) {
+        for (class, addr) in blocks {
+            self.retire_span(st, Span { addr, size: class::size_of_class(class) });
+        }
+    }
+
     /// The state of a stream the pool has seen, destroyed or not.
     pub(crate) fn state_by_id(&self, id: StreamId) -> Option<Arc<StreamState>> {
         if let Some(st) = self.streams.load().get(&id) {
@@ -805,10 +806,8 @@ impl PoolInner {
     }
 
     /// A thread cache is gone: fold its counters in and drop it from the registry.
+    /// The cache was flushed first (its budget went back with its blocks).
     pub(crate) fn unregister_cache(&self, shared: &Arc<CacheShared>) {
-        shared.enter_wait();
-        self.release_budget(shared);
-        shared.exit();
         let c = &shared.counters;
         let f = &self.folded;
         for (from, to) in
@@ -836,20 +835,28 @@ impl PoolInner {
         let guard = epoch::pin();
         let mut moved = 0;
         for st in self.states() {
-            for (class, d) in st.depots.iter().enumerate().rev() {
-                if moved >= target {
-                    return moved;
-                }
-                if d.full_count() == 0 {
-                    continue;
-                }
-                let size = class::size_of_class(class);
-                while moved < target {
-                    let Some(mut m) = d.take_full(&guard) else { break };
-                    moved += m.len() as u64 * size;
-                    m.drain(|addr| self.retire_span(&st, Span { addr, size }));
-                    d.put_empty(m, &guard);
-                }
+            if moved >= target {
+                break;
+            }
+            moved += self.flush_stream_depots(&st, target - moved, &guard);
+        }
+        moved
+    }
+
+    /// One stream's depots give their blocks to its retire queue, largest classes first,
+    /// until at least `target` bytes have moved. Returns the bytes moved.
+    fn flush_stream_depots(&self, st: &StreamState, target: u64, guard: &epoch::Guard) -> u64 {
+        let mut moved = 0;
+        for (class, d) in st.depots.iter().enumerate().rev() {
+            let size = class::size_of_class(class);
+            while moved < target && d.full_count() > 0 {
+                let Some(mut m) = d.take_full(guard) else { break };
+                moved += m.len() as u64 * size;
+                m.drain(|addr| self.retire_span(st, Span { addr, size }));
+                d.put_empty(m, guard);
+            }
+            if moved >= target {
+                break;
             }
         }
         moved
@@ -868,9 +875,7 @@ impl PoolInner {
                 self.release_budget(c);
             });
             taken += out.len() as u64;
-            for (cl, a) in out {
-                self.retire_span(st, Span { addr: a, size: class::size_of_class(cl) });
-            }
+            self.retire_cached(st, out);
         }
         taken
     }
