@@ -6,27 +6,33 @@
 
 use std::fmt;
 
+/// The figures of an out-of-memory error, in bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutOfMemory {
+    /// Bytes asked for.
+    pub requested: u64,
+    /// Bytes mapped (physical memory held by the pool).
+    pub reserved: u64,
+    /// Bytes in live blocks (rounded sizes).
+    pub allocated: u64,
+    /// Bytes held in caches (blocks free for reuse on their stream).
+    pub cached: u64,
+    /// Bytes freed on a stream whose work has not been observed complete.
+    pub retiring: u64,
+    /// The largest block the arena could hand out without mapping.
+    pub largest_free: u64,
+    /// The pool's mapping limit.
+    pub max_reserved: u64,
+}
+
 /// Why an operation failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Error {
     /// Every step of the out-of-memory ladder was taken and the request still did not fit.
-    OutOfMemory {
-        /// Bytes asked for.
-        requested: u64,
-        /// Bytes mapped (physical memory held by the pool).
-        reserved: u64,
-        /// Bytes in live blocks (rounded sizes).
-        allocated: u64,
-        /// Bytes held in caches (blocks free for reuse on their stream).
-        cached: u64,
-        /// Bytes freed on a stream whose work has not been observed complete.
-        retiring: u64,
-        /// The largest block the arena could hand out without mapping.
-        largest_free: u64,
-        /// The pool's mapping limit.
-        max_reserved: u64,
-    },
+    /// The figures are boxed: the error stays small enough that `Result<Block, Error>` is
+    /// the size of a block (see [`crate::Block`]), and an out-of-memory error is rare.
+    OutOfMemory(Box<OutOfMemory>),
     /// A request that can never be served, whatever is freed: it exceeds the pool's limit.
     TooLarge {
         /// Bytes asked for.
@@ -63,7 +69,9 @@ impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         const MIB: f64 = (1u64 << 20) as f64;
         match self {
-            Error::OutOfMemory { requested, reserved, allocated, cached, retiring, largest_free, max_reserved } => {
+            Error::OutOfMemory(oom) => {
+                let OutOfMemory { requested, reserved, allocated, cached, retiring, largest_free, max_reserved } =
+                    &**oom;
                 write!(
                     f,
                     "out of device memory: asked {requested} B ({:.1} MiB); reserved {:.1} MiB of at most {:.1} MiB, \
@@ -95,3 +103,16 @@ impl std::error::Error for Error {}
 
 /// Shorthand for vrampool's results.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_error_fits_beside_a_blocks_niche() {
+        // `Result<Block, Error>` is the size of a block only while an error fits in a
+        // block's words other than its never-null pool pointer.
+        assert!(std::mem::size_of::<Error>() <= 48, "Error is {} bytes", std::mem::size_of::<Error>());
+        assert_eq!(std::mem::size_of::<Result<crate::Block, Error>>(), std::mem::size_of::<crate::Block>());
+    }
+}

@@ -68,10 +68,10 @@ fn out_of_memory_carries_the_figures() {
         }
     };
     match err {
-        Error::OutOfMemory { requested, reserved, allocated, max_reserved, .. } => {
-            assert_eq!(requested, 8 << 20);
-            assert!(reserved <= max_reserved);
-            assert_eq!(allocated, held.len() as u64 * (8 << 20));
+        Error::OutOfMemory(oom) => {
+            assert_eq!(oom.requested, 8 << 20);
+            assert!(oom.reserved <= oom.max_reserved);
+            assert_eq!(oom.allocated, held.len() as u64 * (8 << 20));
         }
         other => panic!("expected OutOfMemory, got {other:?}"),
     }

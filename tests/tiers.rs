@@ -147,7 +147,7 @@ fn run(ops: &[Op], nstreams: usize) {
                     if via_stream_cache { pool.stream_cache(s).unwrap().alloc(bytes) } else { pool.alloc(bytes, s) };
                 match got {
                     Ok(block) => live.push(Live { block, len: bytes, stream }),
-                    Err(Error::OutOfMemory { .. }) => assert_oom_is_real(&live, bytes),
+                    Err(Error::OutOfMemory(_)) => assert_oom_is_real(&live, bytes),
                     Err(e) => panic!("alloc({bytes}) failed: {e}"),
                 }
             }

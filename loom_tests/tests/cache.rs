@@ -40,10 +40,10 @@ fn span(addr: u64) -> Span {
 
 /// An allocation as `ThreadCache::try_hit` makes it: the loaded magazine, else the previous
 /// one or a full magazine from the depot. One operation: enter, pop, exit.
-fn alloc(cs: &CacheShared, depot: &Depot, h: &LocalHandle) -> Option<u64> {
+fn alloc(cs: &CacheShared, s: Slot, depot: &Depot, h: &LocalHandle) -> Option<u64> {
     cs.enter_wait();
     // SAFETY: entered above; class 0 exists.
-    let got = unsafe { cs.pop(0, SIZE).or_else(|| cs.pop_slow(0, SIZE, depot, || h.pin())) };
+    let got = unsafe { cs.pop(0, SIZE).or_else(|| cs.pop_slow(s, depot, || h.pin())) };
     cs.exit();
     got
 }
@@ -135,7 +135,7 @@ fn owner_and_thief_never_hold_the_magazines_together() {
             let (cs, depot, retire, c) = (cs.clone(), depot.clone(), retire.clone(), collector.clone());
             thread::spawn(move || {
                 let h = c.register();
-                let got = alloc(&cs, &depot, &h);
+                let got = alloc(&cs, slot(2), &depot, &h);
                 for a in free(&cs, slot(2), 3, &depot, &h) {
                     retire.free(span(a));
                 }
@@ -228,7 +228,7 @@ fn a_thread_exit_flush_racing_a_trim_loses_and_duplicates_nothing() {
                         collector: c.clone(),
                     })
                 });
-                let got = alloc(&cs, &depot, &h);
+                let got = alloc(&cs, slot(2), &depot, &h);
                 for a in got.into_iter().chain([3]) {
                     for spilled in free(&cs, slot(2), a, &depot, &h) {
                         retire.free(span(spilled));
@@ -320,7 +320,7 @@ fn an_out_of_memory_flush_racing_allocations_keeps_every_block_once() {
                 let h = c.register();
                 let mut held = vec![2, 3];
                 for _ in 0..2 {
-                    if let Some(x) = alloc(&cs, &depot, &h) {
+                    if let Some(x) = alloc(&cs, slot(1), &depot, &h) {
                         tags.removed(x);
                         held.push(x);
                     }

@@ -67,6 +67,26 @@ impl Magazine {
         self.len >= cap.min(MAG_CAP)
     }
 
+    /// Set the number of blocks held, for a holder that kept the count elsewhere while it
+    /// pushed and popped through [`Magazine::slots_ptr`] (the thread cache's hot path).
+    /// Capped at [`MAG_CAP`].
+    #[inline]
+    pub fn set_len(&mut self, len: usize) {
+        self.len = len.min(MAG_CAP);
+    }
+
+    /// The slots' address, valid while this magazine is neither moved nor dropped (a boxed
+    /// magazine's slots stay put while the box lives).
+    #[inline]
+    pub fn slots_ptr(&mut self) -> *mut u64 {
+        self.slots.as_mut_ptr()
+    }
+
+    /// Every slot, held or not (for a holder that keeps the count elsewhere).
+    pub fn slots(&self) -> &[u64] {
+        &self.slots
+    }
+
     /// The blocks held, oldest first.
     pub fn blocks(&self) -> &[u64] {
         &self.slots[..self.len]

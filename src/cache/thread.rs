@@ -33,6 +33,7 @@
 
 use crate::cache::depot::Depot;
 use crate::cache::magazine::{Magazine, MAG_CAP};
+use crate::class::MAX_CLASSES;
 use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::epoch::Guard;
 use crate::sync::{heavy_fence, light_fence, UnsafeCell};
@@ -68,8 +69,86 @@ pub fn drop_by(c: &AtomicU64, by: u64) {
 }
 
 struct ClassMags {
+    /// While loaded, this magazine's own count is stale: [`Hot::len`] is the count.
     loaded: Box<Magazine>,
     prev: Box<Magazine>,
+    /// Blocks per magazine of this class.
+    cap: u32,
+}
+
+impl ClassMags {
+    fn new(cap: usize) -> ClassMags {
+        ClassMags { loaded: Magazine::boxed(), prev: Magazine::boxed(), cap: cap.min(MAG_CAP) as u32 }
+    }
+}
+
+/// What the hit path reads for one class: the loaded magazine's slots and count, inline in
+/// the cache, so a hit is one load of this entry and one of the slot — no pointer to a
+/// vector, no `Option`, no box to follow, no capacity to look up elsewhere.
+#[derive(Clone, Copy)]
+struct Hot {
+    /// The loaded magazine's slots ([`Magazine::slots_ptr`]); dangling when `cap` is 0.
+    slots: *mut u64,
+    /// Blocks in the loaded magazine: the count while it is loaded.
+    len: u32,
+    /// Blocks it may hold; 0 while the class has no magazines (every push then misses).
+    cap: u32,
+}
+
+impl Hot {
+    const EMPTY: Hot = Hot { slots: std::ptr::NonNull::dangling().as_ptr(), len: 0, cap: 0 };
+}
+
+/// The magazines of every class, and their hot entries.
+///
+/// Invariant (between operations): `hot[c]` is [`Hot::EMPTY`] when `classes[c]` is None,
+/// and otherwise names `classes[c]`'s loaded magazine, whose count is `hot[c].len`. A slow
+/// path that touches class `c`'s magazines [`Mags::open`]s it first (writing the count back
+/// into the magazine) and [`Mags::close`]s it after (reloading the entry).
+struct Mags {
+    hot: [Hot; MAX_CLASSES],
+    classes: Vec<Option<ClassMags>>,
+}
+
+impl Mags {
+    /// Class `c`'s magazines with the loaded one's count written back; None if it has none.
+    fn open(&mut self, c: usize) -> Option<&mut ClassMags> {
+        let len = self.hot.get(c)?.len;
+        let cm = self.classes.get_mut(c)?.as_mut()?;
+        cm.loaded.set_len(len as usize);
+        Some(cm)
+    }
+
+    /// Reload class `c`'s hot entry from its magazines (after [`Mags::open`]).
+    fn close(&mut self, c: usize) {
+        let Some(h) = self.hot.get_mut(c) else { return };
+        *h = match self.classes.get_mut(c).and_then(Option::as_mut) {
+            Some(cm) => Hot { slots: cm.loaded.slots_ptr(), len: cm.loaded.len() as u32, cap: cm.cap },
+            None => Hot::EMPTY,
+        };
+    }
+
+    /// Class `c`'s magazines, made if it has none (the class must exist); opened.
+    fn open_or_make(&mut self, c: usize, cap: usize) -> Option<&mut ClassMags> {
+        if self.classes.get(c)?.is_none() {
+            self.classes[c] = Some(ClassMags::new(cap));
+            self.close(c);
+        }
+        self.open(c)
+    }
+
+    /// Every class open at once (for walks over all of them); [`Mags::close_all`] after.
+    fn open_all(&mut self) {
+        for c in 0..self.classes.len() {
+            self.open(c);
+        }
+    }
+
+    fn close_all(&mut self) {
+        for c in 0..self.classes.len() {
+            self.close(c);
+        }
+    }
 }
 
 /// A size class as a cache sees it: its index, its block size and its magazine capacity.
@@ -96,15 +175,15 @@ pub enum Spill {
 /// The part of a thread cache that other threads may reach: the magazines (behind the
 /// handshake), the flags and the counters. Aligned to its own cache lines: its owner writes
 /// it on every operation, and no other thread's data may share a line with it.
-#[repr(align(128))]
+#[repr(C, align(128))]
 pub struct CacheShared {
     in_use: AtomicBool,
-    steal: AtomicBool,
-    mags: UnsafeCell<Vec<Option<ClassMags>>>,
-    /// Whether the owning thread has let go of the cache (flushed or exited).
-    retired: AtomicBool,
     /// Counters (see [`CacheCounters`]).
     pub counters: CacheCounters,
+    steal: AtomicBool,
+    /// Whether the owning thread has let go of the cache (flushed or exited).
+    retired: AtomicBool,
+    mags: UnsafeCell<Mags>,
 }
 
 // SAFETY: the magazines inside the UnsafeCell are only touched by the one party that holds
@@ -125,11 +204,11 @@ impl CacheShared {
     /// A cache for `classes` size classes, with no magazines yet.
     pub fn new(classes: usize) -> CacheShared {
         let mut v = Vec::with_capacity(classes);
-        v.resize_with(classes, || None);
+        v.resize_with(classes.min(MAX_CLASSES), || None);
         CacheShared {
             in_use: AtomicBool::new(false),
             steal: AtomicBool::new(false),
-            mags: UnsafeCell::new(v),
+            mags: UnsafeCell::new(Mags { hot: [Hot::EMPTY; MAX_CLASSES], classes: v }),
             retired: AtomicBool::new(false),
             counters: CacheCounters::default(),
         }
@@ -155,6 +234,36 @@ impl CacheShared {
         self.in_use.store(false, Ordering::Release);
     }
 
+    /// The whole allocation hit path for a caller's fast path: enter, pop from the loaded
+    /// magazine, exit. None, with nothing changed, when a thief holds the cache or the
+    /// magazine is empty: the caller then takes its slow path (which waits and refills).
+    /// A leaf: no call, so a caller inlining it keeps its fast path free of register saves.
+    #[inline(always)]
+    pub fn try_pop_fast(&self, class: usize, size: u64) -> Option<u64> {
+        if !self.enter() {
+            return None;
+        }
+        // SAFETY: entered above.
+        let a = unsafe { self.pop(class, size) };
+        self.exit();
+        a
+    }
+
+    /// The whole free hit path for a caller's fast path: enter, push onto the loaded
+    /// magazine within the cache's byte bound, exit. False, with nothing changed, otherwise
+    /// (see [`CacheShared::try_pop_fast`]).
+    #[inline(always)]
+    pub fn try_push_fast(&self, class: usize, size: u64, addr: u64) -> bool {
+        if !self.enter() {
+            return false;
+        }
+        let limit = self.counters.budget.load(Ordering::Relaxed);
+        // SAFETY: entered above.
+        let kept = unsafe { self.push(Slot { class, size, cap: 0 }, addr, limit) };
+        self.exit();
+        kept
+    }
+
     /// Wait until a thief has let go (it holds the magazines only while moving them).
     pub fn wait_for_thief(&self) {
         while self.steal.load(Ordering::Acquire) {
@@ -174,7 +283,7 @@ impl CacheShared {
     /// The caller holds the handshake (between `enter` and `exit`, or inside a won steal).
     #[inline]
     #[allow(clippy::mut_from_ref)]
-    unsafe fn mags(&self) -> &mut Vec<Option<ClassMags>> {
+    unsafe fn mags(&self) -> &mut Mags {
         // SAFETY: the caller holds the handshake, so no other party touches the magazines;
         // the reference does not outlive the caller's hold (it is used within one operation).
         self.mags.with_mut(|p| unsafe { &mut *p })
@@ -189,8 +298,14 @@ impl CacheShared {
     #[inline(always)]
     pub unsafe fn pop(&self, class: usize, size: u64) -> Option<u64> {
         // SAFETY: the caller holds the handshake.
-        let mags = unsafe { self.mags() };
-        let a = mags.get_mut(class)?.as_mut()?.loaded.pop()?;
+        let h = unsafe { self.mags() }.hot.get_mut(class)?;
+        if h.len == 0 {
+            return None;
+        }
+        h.len -= 1;
+        // SAFETY: `h` names the loaded magazine of `class` (the `Mags` invariant), which
+        // holds `len + 1 <= MAG_CAP` blocks in its first slots.
+        let a = unsafe { *h.slots.add(h.len as usize) };
         self.count_hit(size);
         Some(a)
     }
@@ -202,17 +317,21 @@ impl CacheShared {
     /// The caller has entered (and not yet exited), and `class` is below the class count.
     #[cold]
     #[inline(never)]
-    pub unsafe fn pop_slow(
-        &self,
-        class: usize,
-        size: u64,
-        depot: &Depot,
-        guard: impl FnOnce() -> Guard,
-    ) -> Option<u64> {
+    pub unsafe fn pop_slow(&self, slot: Slot, depot: &Depot, guard: impl FnOnce() -> Guard) -> Option<u64> {
         // SAFETY: the caller holds the handshake.
         let mags = unsafe { self.mags() };
+        let a = self.pop_slow_in(mags, slot, depot, guard);
+        mags.close(slot.class);
+        a
+    }
+
+    fn pop_slow_in(&self, mags: &mut Mags, slot: Slot, depot: &Depot, guard: impl FnOnce() -> Guard) -> Option<u64> {
+        let Slot { class, size, cap } = slot;
         let c = &self.counters;
-        if let Some(cm) = mags.get_mut(class)?.as_mut() {
+        if class >= mags.classes.len() {
+            return None;
+        }
+        if let Some(cm) = mags.open(class) {
             if !cm.prev.is_empty() {
                 std::mem::swap(&mut cm.loaded, &mut cm.prev);
                 let a = cm.loaded.pop();
@@ -223,7 +342,8 @@ impl CacheShared {
         // Both empty: the loaded one goes to the depot's empties and a full one is loaded.
         let g = guard();
         let full = depot.take_full(&g)?;
-        let cm = mags[class].get_or_insert_with(|| ClassMags { loaded: Magazine::boxed(), prev: Magazine::boxed() });
+        // The class exists (checked above), so this makes its magazines if need be.
+        let cm = mags.open_or_make(class, cap)?;
         let empty = std::mem::replace(&mut cm.loaded, full);
         depot.put_empty(empty, &g);
         // The magazine's blocks moved from the depot into this cache.
@@ -256,18 +376,15 @@ impl CacheShared {
     ) -> Option<(u64, usize)> {
         // SAFETY: the caller holds the handshake.
         let mags = unsafe { self.mags() };
-        let end = mags.len().min(class + 1 + within);
-        for (c, slot) in mags.iter_mut().enumerate().take(end).skip(class + 1) {
-            let Some(cm) = slot.as_mut() else { continue };
-            let a = match cm.loaded.pop() {
-                Some(a) => a,
-                None => match cm.prev.pop() {
-                    Some(a) => a,
-                    None => continue,
-                },
-            };
-            self.count_hit(class_size(c));
-            return Some((a, c));
+        let end = mags.classes.len().min(class + 1 + within);
+        for c in class + 1..end {
+            let Some(cm) = mags.open(c) else { continue };
+            let a = cm.loaded.pop().or_else(|| cm.prev.pop());
+            mags.close(c);
+            if let Some(a) = a {
+                self.count_hit(class_size(c));
+                return Some((a, c));
+            }
         }
         None
     }
@@ -275,6 +392,7 @@ impl CacheShared {
     /// The free path: put a block of `slot`'s class in the loaded magazine. False when
     /// that is not possible here (the magazine is full, the cache is at `limit` bytes, the
     /// class has no magazines yet): the caller then calls [`CacheShared::push_slow`].
+    /// `slot.cap` is not read: the loaded magazine's entry carries the class's capacity.
     ///
     /// # Safety
     /// The caller has entered (and not yet exited).
@@ -286,11 +404,14 @@ impl CacheShared {
             return false;
         }
         // SAFETY: the caller holds the handshake.
-        let mags = unsafe { self.mags() };
-        let Some(Some(cm)) = mags.get_mut(slot.class) else { return false };
-        if !cm.loaded.push(addr, slot.cap) {
+        let Some(h) = unsafe { self.mags() }.hot.get_mut(slot.class) else { return false };
+        if h.len >= h.cap {
             return false;
         }
+        // SAFETY: `h` names the loaded magazine of the class (the `Mags` invariant), whose
+        // `cap <= MAG_CAP` slots exist; `len < cap`.
+        unsafe { *h.slots.add(h.len as usize) = addr };
+        h.len += 1;
         c.cached_bytes.store(cached + slot.size, Ordering::Relaxed);
         bump(&c.frees, 1);
         true
@@ -313,7 +434,7 @@ impl CacheShared {
         depot: &Depot,
         guard: impl FnOnce() -> Guard,
     ) -> Spill {
-        let Slot { class, size, cap } = slot;
+        let Slot { class, size, .. } = slot;
         let c = &self.counters;
         bump(&c.frees, 1);
         if c.cached_bytes.load(Ordering::Relaxed) + size > limit {
@@ -321,8 +442,23 @@ impl CacheShared {
         }
         // SAFETY: the caller holds the handshake.
         let mags = unsafe { self.mags() };
-        let Some(entry) = mags.get_mut(class) else { return Spill::Retire(vec![addr]) };
-        let cm = entry.get_or_insert_with(|| ClassMags { loaded: Magazine::boxed(), prev: Magazine::boxed() });
+        let spill = self.push_slow_in(mags, slot, addr, depot, guard);
+        mags.close(class);
+        spill
+    }
+
+    fn push_slow_in(
+        &self,
+        mags: &mut Mags,
+        slot: Slot,
+        addr: u64,
+        depot: &Depot,
+        guard: impl FnOnce() -> Guard,
+    ) -> Spill {
+        let Slot { class, size, cap } = slot;
+        let c = &self.counters;
+        let Some(cm) = mags.open_or_make(class, cap) else { return Spill::Retire(vec![addr]) };
+        let cap = cm.cap as usize;
         if cm.loaded.push(addr, cap) {
             bump(&c.cached_bytes, size);
             return Spill::None;
@@ -367,7 +503,8 @@ impl CacheShared {
     ) {
         // SAFETY: the caller holds the handshake.
         let mags = unsafe { self.mags() };
-        for (class, slot) in mags.iter_mut().enumerate() {
+        mags.open_all();
+        for (class, slot) in mags.classes.iter_mut().enumerate() {
             let Some(cm) = slot.take() else { continue };
             for m in [cm.loaded, cm.prev] {
                 if m.is_empty() {
@@ -386,6 +523,7 @@ impl CacheShared {
                 m.drain(|a| retire(class, a));
             }
         }
+        mags.close_all();
     }
 
     /// Move whole magazines out, largest classes first, until at least `target` bytes have
@@ -402,8 +540,9 @@ impl CacheShared {
     ) -> u64 {
         // SAFETY: the caller holds the handshake.
         let mags = unsafe { self.mags() };
+        mags.open_all();
         let mut moved = 0;
-        for (class, slot) in mags.iter_mut().enumerate().rev() {
+        for (class, slot) in mags.classes.iter_mut().enumerate().rev() {
             if moved >= target {
                 break;
             }
@@ -419,6 +558,7 @@ impl CacheShared {
                 drop_by(&self.counters.cached_bytes, bytes);
             }
         }
+        mags.close_all();
         moved
     }
 
@@ -460,9 +600,11 @@ impl CacheShared {
     pub unsafe fn for_each_block(&self, mut f: impl FnMut(usize, u64)) {
         // SAFETY: per the contract.
         let mags = unsafe { self.mags() };
-        for (class, slot) in mags.iter().enumerate() {
+        for (class, slot) in mags.classes.iter().enumerate() {
             if let Some(cm) = slot {
-                cm.loaded.blocks().iter().chain(cm.prev.blocks()).for_each(|&a| f(class, a));
+                // The loaded magazine's count is the hot entry's.
+                let loaded = &cm.loaded.slots()[..mags.hot[class].len as usize];
+                loaded.iter().chain(cm.prev.blocks()).for_each(|&a| f(class, a));
             }
         }
     }
@@ -490,8 +632,9 @@ mod tests {
     }
 
     unsafe fn pop(c: &CacheShared, class: usize, size: u64, d: &Depot) -> Option<u64> {
+        let slot = Slot { class, size, cap: 8 };
         // SAFETY: the caller has entered.
-        unsafe { c.pop(class, size).or_else(|| c.pop_slow(class, size, d, pin)) }
+        unsafe { c.pop(class, size).or_else(|| c.pop_slow(slot, d, pin)) }
     }
 
     #[test]

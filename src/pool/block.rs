@@ -12,17 +12,26 @@ use super::{local, PoolInner};
 use crate::device::{Stream, StreamId};
 
 /// The class of a block that no cache holds (larger than the largest cached class).
-pub(crate) const NO_CLASS: u32 = u32::MAX;
+pub(crate) const NO_CLASS: u64 = u64::MAX;
 
 /// A block of device memory from a [`super::Pool`]. Dropping it frees it in stream order on
 /// its stream. `Send`, not `Sync`: one thread holds it at a time; any thread may drop it.
+///
+/// Every field is a whole word and the pool pointer is never null (an empty block's is
+/// dangling and never followed), so `Result<Block, Error>` is the size of a block and
+/// moving one is whole-word copies: a half-word field or a separate tag made the compiler
+/// copy blocks with 16-byte moves over 8-byte stores, which stall store forwarding and cost
+/// the hit path half its time.
 pub struct Block {
     pub(crate) addr: u64,
     pub(crate) len: usize,
+    /// Bytes the block holds: its class's size, or the arena's size for it; 0 only for an
+    /// empty block.
     pub(crate) size: u64,
-    pub(crate) class: u32,
+    pub(crate) class: u64,
     pub(crate) stream: StreamId,
-    pub(crate) pool: Option<NonNull<PoolInner>>,
+    /// The pool's state; dangling for an empty block (`size == 0`), which owns nothing.
+    pub(crate) pool: NonNull<PoolInner>,
     /// Other streams the block was used on (`record_stream`): null until first used, then a
     /// `Box<Vec<Stream>>` owned by the block. A raw pointer, not an `Option<Box<..>>`, so
     /// the common block carries one null word and has no drop glue of its own.
@@ -41,7 +50,7 @@ impl Block {
             size: 0,
             class: NO_CLASS,
             stream,
-            pool: None,
+            pool: NonNull::dangling(),
             used_on: Cell::new(std::ptr::null_mut()),
         }
     }
@@ -79,7 +88,7 @@ impl Block {
     /// Say that the block was also used on `other`: its free then waits for the work
     /// enqueued on `other` before the free, as well as its own stream's.
     pub fn record_stream(&self, other: &Stream) {
-        if self.pool.is_none() || other.id() == self.stream {
+        if self.size == 0 || other.id() == self.stream {
             return;
         }
         let used = self.used_on.get();
@@ -110,9 +119,24 @@ impl fmt::Debug for Block {
 impl Drop for Block {
     #[inline]
     fn drop(&mut self) {
-        let Some(pool) = self.pool else { return };
+        if self.size == 0 {
+            return;
+        }
+        let pool = self.pool;
+        if self.class != NO_CLASS && self.used_on.get().is_null() && local::try_free_fast(pool, self) {
+            return;
+        }
+        self.drop_slow(pool);
+    }
+}
+
+impl Block {
+    /// Everything but the cache's hit path, out of line so the hit path stays a leaf.
+    #[cold]
+    #[inline(never)]
+    fn drop_slow(&mut self, pool: NonNull<PoolInner>) {
         let used = self.used_on.get();
-        if self.class != NO_CLASS && used.is_null() && local::free(pool, self) {
+        if self.class != NO_CLASS && used.is_null() && local::free_slow(pool, self) {
             return;
         }
         let used_on = if used.is_null() {

@@ -54,7 +54,7 @@ use crate::cache::depot::Depot;
 use crate::cache::thread::{mag_cap, CacheShared};
 use crate::class;
 use crate::device::{Device, Event, Stream, StreamId};
-use crate::error::{Error, Result};
+use crate::error::{Error, OutOfMemory, Result};
 use crate::reclaim::{Span, StreamRetire};
 use crate::stats::{Counters, Stats};
 use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -311,14 +311,7 @@ impl Pool {
     /// thread's cache for `stream`, found through a thread-local.
     #[inline]
     pub fn alloc(&self, bytes: usize, stream: &Stream) -> Result<Block> {
-        match local::alloc(&self.inner, stream, bytes) {
-            Some(r) => r,
-            // This thread's thread-locals are gone (it is exiting): no cache.
-            None => {
-                let st = self.inner.stream_state(stream)?;
-                self.inner.alloc_uncached(bytes, &st, None)
-            }
-        }
+        local::alloc(&self.inner, stream, bytes)
     }
 
     /// The calling thread's cache for `stream`: the fastest way to allocate for a worker
@@ -419,7 +412,7 @@ impl PoolInner {
             size,
             class: NO_CLASS,
             stream: id,
-            pool: Some(std::ptr::NonNull::from(&**self)),
+            pool: std::ptr::NonNull::from(&**self),
             used_on: std::cell::Cell::new(std::ptr::null_mut()),
         })
     }
@@ -536,7 +529,7 @@ impl PoolInner {
         }
         Counters::bump(&self.counters.ooms, 1);
         let st = self.stats();
-        Err(Error::OutOfMemory {
+        Err(Error::OutOfMemory(Box::new(OutOfMemory {
             requested: requested as u64,
             reserved: st.reserved_bytes,
             allocated: st.allocated_bytes,
@@ -544,7 +537,7 @@ impl PoolInner {
             retiring: st.retiring_bytes,
             largest_free: st.largest_free_block,
             max_reserved: self.max_reserved,
-        })
+        })))
     }
 
     /// Wait for the oldest pending event, one at a time, so the pool waits no longer than it
@@ -620,9 +613,7 @@ impl PoolInner {
                 match why {
                     Acquire::NeedsMap => Ok(None),
                     // Over budget, or the device itself is out of memory: the next rung.
-                    Acquire::Failed(Error::OutOfMemory { .. }) | Acquire::Failed(Error::Device { code: 2, .. }) => {
-                        Ok(None)
-                    }
+                    Acquire::Failed(Error::OutOfMemory(_)) | Acquire::Failed(Error::Device { code: 2, .. }) => Ok(None),
                     Acquire::Failed(e) => Err(e),
                 }
             }
@@ -636,7 +627,7 @@ impl PoolInner {
         let before = self.map_budget.fetch_add(len64, Ordering::AcqRel);
         if before + len64 > self.max_reserved {
             self.map_budget.fetch_sub(len64, Ordering::AcqRel);
-            return Err(Error::OutOfMemory {
+            return Err(Error::OutOfMemory(Box::new(OutOfMemory {
                 requested: len64,
                 reserved: before,
                 allocated: 0,
@@ -644,7 +635,7 @@ impl PoolInner {
                 retiring: 0,
                 largest_free: 0,
                 max_reserved: self.max_reserved,
-            });
+            })));
         }
         let r = self.device.map(page, len);
         if r.is_err() {
