@@ -9,10 +9,12 @@
 //! - `hot_pair`: one alloc + free of 1 MiB, same class, same stream.
 //! - `random_window`: 64 live blocks, sizes log-uniform 256 B – 4 MiB, replacing a random one
 //!   per iteration (one alloc + one free), on 1 and 2 threads (each thread its own stream
-//!   and window; the time is per pair per thread, so 2 threads at the same time as 1 thread
-//!   means twice the aggregate throughput).
+//!   and window, threads kept for the whole benchmark so the caches are measured warm; the
+//!   time is per pair per thread, so 2 threads at the same time as 1 thread means twice the
+//!   aggregate throughput).
 
 use std::hint::black_box;
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
@@ -61,60 +63,72 @@ fn hot_pair(c: &mut Criterion) {
     g.finish();
 }
 
-/// `threads` threads each replace random blocks of their own window `iters` times; returns
-/// the time of the slowest thread.
-fn window_run(threads: usize, iters: u64, step: &(dyn Fn(usize, &mut Rng) + Sync)) -> Duration {
-    let start = Instant::now();
-    std::thread::scope(|sc| {
-        for t in 0..threads {
-            sc.spawn(move || {
-                let mut rng = Rng::new(0x2545_f491_4f6c_dd1d ^ (t as u64 + 1));
-                for _ in 0..iters {
-                    step(t, &mut rng);
-                }
-            });
-        }
-    });
-    start.elapsed()
-}
-
 type Group<'a> = criterion::BenchmarkGroup<'a, criterion::measurement::WallTime>;
 
-/// The random window on a baseline that frees at once (no streams): each thread replaces
-/// random blocks of its own window.
-fn baseline_window(
-    g: &mut Group<'_>,
-    name: &str,
-    threads: usize,
-    alloc: &(dyn Fn(u64) -> Option<u64> + Sync),
-    free: &(dyn Fn(u64, u64) + Sync),
-) {
-    let windows: Vec<std::sync::Mutex<Vec<(u64, u64)>>> = (0..threads)
+/// The random window on `threads` threads that live for the whole benchmark: each builds its
+/// own state on its own thread with `make` (a window filled through its allocator; a
+/// `StreamCache` is not `Send`), then for every sample runs the iterations criterion asks
+/// for and times its own loop; a sample takes the slowest thread's time. Threads made per
+/// sample would measure a cold cache at every sample, and a lock around a shared window
+/// would cost the baselines more than their allocator does.
+fn window_crew<M, S>(g: &mut Group<'_>, name: &str, threads: usize, make: M)
+where
+    M: Fn(usize, &mut Rng) -> S + Sync,
+    S: FnMut(&mut Rng),
+{
+    std::thread::scope(|sc| {
+        let (done_tx, done_rx) = mpsc::channel::<Duration>();
+        let orders: Vec<mpsc::Sender<u64>> = (0..threads)
+            .map(|t| {
+                let (tx, rx) = mpsc::channel::<u64>();
+                let (done, make) = (done_tx.clone(), &make);
+                sc.spawn(move || {
+                    let mut rng = Rng::new(0x9e37_79b9 ^ (t as u64 + 1));
+                    let mut step = make(t, &mut rng);
+                    // Ends when the bench drops its senders.
+                    for iters in rx {
+                        let begin = Instant::now();
+                        for _ in 0..iters {
+                            step(&mut rng);
+                        }
+                        if done.send(begin.elapsed()).is_err() {
+                            break;
+                        }
+                    }
+                });
+                tx
+            })
+            .collect();
+        g.bench_with_input(BenchmarkId::new(name, threads), &threads, |b, &threads| {
+            b.iter_custom(|iters| {
+                for o in &orders {
+                    o.send(iters).expect("a window thread is gone");
+                }
+                (0..threads).map(|_| done_rx.recv().expect("a window thread is gone")).max().unwrap_or_default()
+            })
+        });
+        drop(orders);
+    });
+}
+
+/// The window step of a baseline that frees at once (no streams): replace a random block.
+fn baseline_step<'a>(
+    rng: &mut Rng,
+    alloc: &'a (dyn Fn(u64) -> Option<u64> + Sync),
+    free: &'a (dyn Fn(u64, u64) + Sync),
+) -> impl FnMut(&mut Rng) + 'a {
+    let mut w: Vec<(u64, u64)> = (0..WINDOW)
         .map(|_| {
-            let mut rng = Rng::new(3);
-            let w = (0..WINDOW)
-                .map(|_| {
-                    let s = rng.size() as u64;
-                    (alloc(s).unwrap(), s)
-                })
-                .collect();
-            std::sync::Mutex::new(w)
+            let s = rng.size() as u64;
+            (alloc(s).expect("the baseline's range holds the window"), s)
         })
         .collect();
-    g.bench_with_input(BenchmarkId::new(name, threads), &threads, |b, &threads| {
-        b.iter_custom(|iters| {
-            window_run(threads, iters, &|t, rng| {
-                let mut w = windows[t].lock().unwrap();
-                let i = (rng.next() % WINDOW as u64) as usize;
-                let s = rng.size() as u64;
-                let a = alloc(s).unwrap();
-                let (old, old_s) = std::mem::replace(&mut w[i], (a, s));
-                free(old, old_s);
-            })
-        })
-    });
-    for (a, s) in windows.into_iter().flat_map(|w| w.into_inner().unwrap()) {
-        free(a, s);
+    move |rng: &mut Rng| {
+        let i = (rng.next() % WINDOW as u64) as usize;
+        let s = rng.size() as u64;
+        let a = alloc(s).expect("the baseline's range holds the window");
+        let (old, old_s) = std::mem::replace(&mut w[i], (a, s));
+        free(old, old_s);
     }
 }
 
@@ -122,39 +136,25 @@ fn random_window(c: &mut Criterion) {
     let (_dev, pool, streams) = setup();
     let mut g = c.benchmark_group("random_window");
     for threads in [1usize, 2] {
-        g.bench_with_input(BenchmarkId::new("vrampool", threads), &threads, |b, &threads| {
-            b.iter_custom(|iters| {
-                // Each thread times its own loop, after its window is full: the slowest one.
-                std::thread::scope(|sc| {
-                    let handles: Vec<_> = streams
-                        .iter()
-                        .enumerate()
-                        .take(threads)
-                        .map(|(t, s)| {
-                            let pool = &pool;
-                            sc.spawn(move || {
-                                let cache = pool.stream_cache(s).unwrap();
-                                let mut rng = Rng::new(0x9e37_79b9 ^ (t as u64 + 1));
-                                let mut w: Vec<_> = (0..WINDOW).map(|_| cache.alloc(rng.size()).unwrap()).collect();
-                                let begin = Instant::now();
-                                for _ in 0..iters {
-                                    let i = (rng.next() % WINDOW as u64) as usize;
-                                    w[i] = cache.alloc(rng.size()).unwrap();
-                                }
-                                begin.elapsed()
-                            })
-                        })
-                        .collect();
-                    handles.into_iter().map(|h| h.join().unwrap()).max().unwrap_or_default()
-                })
-            })
+        window_crew(&mut g, "vrampool", threads, |t, rng| {
+            let cache = pool.stream_cache(&streams[t]).expect("a stream cache");
+            let mut w: Vec<_> = (0..WINDOW).map(|_| cache.alloc(rng.size()).expect("the window fits")).collect();
+            move |rng: &mut Rng| {
+                let i = (rng.next() % WINDOW as u64) as usize;
+                w[i] = cache.alloc(rng.size()).expect("the window fits");
+            }
         });
-        let arena = Arena::new(0, 1 << 40).unwrap();
-        baseline_window(&mut g, "arena", threads, &|s| arena.alloc(s), &|a, s| {
-            arena.free(a, s);
-        });
+        let arena = Arena::new(0, 1 << 40).expect("an arena");
+        let (alloc, free) = (
+            |s| arena.alloc(s),
+            |a, s| {
+                arena.free(a, s);
+            },
+        );
+        window_crew(&mut g, "arena", threads, |_, rng| baseline_step(rng, &alloc, &free));
         let bf = BestFit::new(0, 1 << 40);
-        baseline_window(&mut g, "bestfit", threads, &|s| bf.alloc(s), &|a, s| bf.free(a, s));
+        let (alloc, free) = (|s| bf.alloc(s), |a, s| bf.free(a, s));
+        window_crew(&mut g, "bestfit", threads, |_, rng| baseline_step(rng, &alloc, &free));
     }
     g.finish();
 }

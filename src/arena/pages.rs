@@ -395,15 +395,19 @@ impl PageMap {
         }
         let n = claimed.len() as u64;
         self.free_mapped.fetch_sub(n, Ordering::AcqRel);
+        // Out of `mapped` before the unmap call: the caller's `unmap` gives the pages' budget
+        // back once the device has them, and a mapper may then map at once; were they still
+        // counted here, its `mapped` (and so the peak) would briefly count them twice.
+        self.mapped.fetch_sub(page * n, Ordering::AcqRel);
         match unmap(self.page_addr(head), (page * n) as usize) {
             Ok(()) => {
-                self.mapped.fetch_sub(page * n, Ordering::AcqRel);
                 for (_, w) in claimed {
                     w.store(UNMAPPED, Ordering::Release);
                 }
                 Some(page * n)
             }
             Err(_) => {
+                self.mapped.fetch_add(page * n, Ordering::AcqRel);
                 for (c, w) in claimed {
                     w.store(MAPPED | c, Ordering::Release);
                 }
@@ -581,6 +585,27 @@ mod tests {
         assert_eq!(m.unmap_free(0, &mut |_, _| Ok(())), 2 * P);
         assert_eq!(m.mapped_bytes(), 2 * P);
         assert_eq!(m.peak_mapped_bytes(), 6 * P);
+    }
+
+    #[test]
+    fn pages_being_unmapped_are_no_longer_counted_as_mapped() {
+        // The caller's unmap gives the pages' budget back, and another thread may map at once:
+        // `mapped` (and so the peak) must not still count them then, or a pool at its limit
+        // reads a peak past it.
+        let m = PageMap::new(0, 4 * P, P).unwrap();
+        m.acquire(0, 2 * P, true, &mut |_, _| Ok(())).unwrap();
+        m.release(0, 2 * P);
+        let mut seen_during = vec![];
+        m.unmap_free(0, &mut |_, _| {
+            seen_during.push(m.mapped_bytes());
+            Ok(())
+        });
+        assert_eq!(seen_during, vec![0], "the run of two pages left `mapped` before its unmap call");
+        // A failed unmap counts them again.
+        m.acquire(0, P, true, &mut |_, _| Ok(())).unwrap();
+        m.release(0, P);
+        assert_eq!(m.unmap_free(0, &mut |_, _| Err(Error::NotPermitted("test"))), 0);
+        assert_eq!(m.mapped_bytes(), P);
     }
 
     #[test]

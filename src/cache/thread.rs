@@ -310,6 +310,28 @@ impl CacheShared {
         Some(a)
     }
 
+    /// After [`CacheShared::pop`] missed: swap in the previous magazine if it holds a block,
+    /// and take one. No depot, no epoch pin.
+    ///
+    /// # Safety
+    /// The caller has entered (and not yet exited).
+    pub unsafe fn pop_prev(&self, class: usize, size: u64) -> Option<u64> {
+        // SAFETY: the caller holds the handshake.
+        let mags = unsafe { self.mags() };
+        let cm = mags.open(class)?;
+        let a = if cm.prev.is_empty() {
+            None
+        } else {
+            std::mem::swap(&mut cm.loaded, &mut cm.prev);
+            cm.loaded.pop()
+        };
+        mags.close(class);
+        if a.is_some() {
+            self.count_hit(size);
+        }
+        a
+    }
+
     /// After [`CacheShared::pop`] missed: swap in the previous magazine, or trade the empty
     /// loaded one for a full one from `depot`.
     ///
@@ -377,10 +399,18 @@ impl CacheShared {
         // SAFETY: the caller holds the handshake.
         let mags = unsafe { self.mags() };
         let end = mags.classes.len().min(class + 1 + within);
+        // The smallest larger class that holds a block: its loaded magazine by the count
+        // alone (no magazine opened), else its previous one (which no hot entry describes).
         for c in class + 1..end {
-            let Some(cm) = mags.open(c) else { continue };
-            let a = cm.loaded.pop().or_else(|| cm.prev.pop());
-            mags.close(c);
+            let h = &mut mags.hot[c];
+            let a = if h.len > 0 {
+                h.len -= 1;
+                // SAFETY: as in `pop`: `h` names class `c`'s loaded magazine, which held
+                // `len + 1` blocks.
+                Some(unsafe { *h.slots.add(h.len as usize) })
+            } else {
+                mags.classes[c].as_mut().and_then(|cm| cm.prev.pop())
+            };
             if let Some(a) = a {
                 self.count_hit(class_size(c));
                 return Some((a, c));
@@ -526,15 +556,17 @@ impl CacheShared {
         mags.close_all();
     }
 
-    /// Move whole magazines out, largest classes first, until at least `target` bytes have
-    /// left (or the cache is empty); each block goes to `retire(class, addr)`. Returns the
-    /// bytes moved. Large blocks are the ones a cache hits least and the arena wants most.
+    /// Move whole magazines of the `classes` out, largest classes first, until at least
+    /// `target` bytes have left (or none is left); each block goes to `retire(class, addr)`.
+    /// Returns the bytes moved. Large blocks are the ones a cache hits least and the arena
+    /// wants most.
     ///
     /// # Safety
     /// The caller holds the handshake.
     pub unsafe fn drain_some(
         &self,
         target: u64,
+        classes: std::ops::Range<usize>,
         mut retire: impl FnMut(usize, u64),
         class_size: impl Fn(usize) -> u64,
     ) -> u64 {
@@ -545,6 +577,9 @@ impl CacheShared {
         for (class, slot) in mags.classes.iter_mut().enumerate().rev() {
             if moved >= target {
                 break;
+            }
+            if !classes.contains(&class) {
+                continue;
             }
             let Some(cm) = slot.as_mut() else { continue };
             let size = class_size(class);

@@ -74,42 +74,59 @@ impl ThreadCache {
         if bytes == 0 {
             return Ok(Block::empty(self.stream_id));
         }
-        if let Some(b) = self.try_hit(bytes) {
-            return Ok(b);
-        }
-        self.alloc_slow(bytes)
-    }
-
-    /// A block from this cache's loaded magazine, its previous one or its stream's depot,
-    /// or None: no device call, no ladder, nothing that could remove a thread-local entry.
-    fn try_hit(&self, bytes: usize) -> Option<Block> {
-        let class = class::class_of(bytes as u64)?;
-        let size = class::size_of_class(class);
-        self.shared.enter_wait();
-        // SAFETY: entered above.
-        let addr = match unsafe { self.shared.pop(class, size) } {
-            Some(a) => {
-                self.shared.exit();
-                a
-            }
-            None => self.refill(class, size)?,
+        let pool = &*self.pool;
+        let class = match class::class_of(bytes as u64) {
+            Some(c) if c < pool.hot.classes => c,
+            _ => return self.pool.alloc_uncached(bytes, &self.stream, Some(self)),
         };
-        Some(self.block(addr, bytes, size, class))
+        let size = class::size_of_class(class);
+        if let Some((a, c)) = self.take_cached(class, size) {
+            return Ok(self.block(a, bytes, class::size_of_class(c), c));
+        }
+        let addr = pool.alloc_miss(size, bytes, &self.stream, Some(self))?;
+        Ok(self.block(addr, bytes, size, class))
     }
 
-    /// The loaded magazine was empty: the previous one, or the depot. Called entered; exits.
-    #[cold]
-    #[inline(never)]
-    fn refill(&self, class: usize, size: u64) -> Option<u64> {
+    /// A block for `class` from this cache or its stream's depot, with the class it came
+    /// from: the loaded or previous magazine, a full magazine from the depot, else a block
+    /// of a larger class this cache holds. No device call, no ladder, nothing that could
+    /// remove a thread-local entry. `class` is one of the pool's cached classes.
+    ///
+    /// On the random window about half the allocations come here: a block borrowed from a
+    /// larger class goes back to that class when freed, so small classes run empty and
+    /// borrow again. So this path is kept cheap: one handshake, the depot (an epoch pin)
+    /// only when it holds a magazine, the borrow a scan of loaded-magazine counts.
+    fn take_cached(&self, class: usize, size: u64) -> Option<(u64, usize)> {
         let (Some(&cap), Some(depot)) = (self.pool.hot.caps.get(class), self.stream.depots.get(class)) else {
-            // Not a cached class.
-            self.shared.exit();
             return None;
         };
+        self.shared.enter_wait();
+        // SAFETY: entered above (for both calls).
+        if let Some(a) = unsafe { self.shared.pop(class, size).or_else(|| self.shared.pop_prev(class, size)) } {
+            self.shared.exit();
+            return Some((a, class));
+        }
+        if depot.full_count() > 0 {
+            if let Some(a) = self.refill(Slot { class, size, cap: cap as usize }, depot) {
+                return Some((a, class));
+            }
+            self.shared.enter_wait();
+        }
+        let within = if size < self.pool.config.large_block_threshold { BORROW_CLASSES } else { BORROW_CLASSES_LARGE };
+        // SAFETY: entered (above, or again after the refill exited).
+        let larger = unsafe { self.shared.pop_larger(class, within, class::size_of_class) };
+        self.shared.exit();
+        larger
+    }
+
+    /// Both magazines of `slot`'s class are empty and `depot` holds a full one: load it.
+    /// Called entered; exits.
+    #[cold]
+    #[inline(never)]
+    fn refill(&self, slot: Slot, depot: &crate::cache::depot::Depot) -> Option<u64> {
         // A magazine from the depot moves its bytes into this cache: reserve for them first.
         let c = &self.shared.counters;
-        self.grow_budget(c.cached_bytes.load(Ordering::Relaxed) + cap as u64 * size);
-        let slot = Slot { class, size, cap: cap as usize };
+        self.grow_budget(c.cached_bytes.load(Ordering::Relaxed) + slot.cap as u64 * slot.size);
         // SAFETY: the caller entered.
         let hit = unsafe { self.shared.pop_slow(slot, depot, epoch::pin) };
         let mut spilled = Vec::new();
@@ -117,11 +134,15 @@ impl ThreadCache {
         if over > 0 {
             // The budget could not cover the whole magazine: give the excess back.
             // SAFETY: still entered.
-            unsafe { self.shared.drain_some(over, |cl, a| spilled.push((cl, a)), class::size_of_class) };
+            unsafe {
+                self.shared.drain_some(over, 0..class::MAX_CLASSES, |cl, a| spilled.push((cl, a)), class::size_of_class)
+            };
         }
         self.shrink_budget();
         self.shared.exit();
-        self.pool.retire_cached(&self.stream, spilled);
+        if !spilled.is_empty() {
+            self.pool.retire_cached(&self.stream, spilled);
+        }
         hit
     }
 
@@ -160,28 +181,6 @@ impl ThreadCache {
             c.budget.store(keep, Ordering::Relaxed);
             self.pool.cache_budget.give(have - keep);
         }
-    }
-
-    /// No block in this cache or the depot: a larger class this cache holds, else the arena.
-    #[cold]
-    #[inline(never)]
-    fn alloc_slow(&self, bytes: usize) -> Result<Block> {
-        let pool = &*self.pool;
-        let class = match class::class_of(bytes as u64) {
-            Some(c) if c < pool.hot.classes => c,
-            _ => return self.pool.alloc_uncached(bytes, &self.stream, Some(self)),
-        };
-        let size = class::size_of_class(class);
-        self.shared.enter_wait();
-        // SAFETY: entered above.
-        let within = if size < pool.config.large_block_threshold { BORROW_CLASSES } else { BORROW_CLASSES_LARGE };
-        let larger = unsafe { self.shared.pop_larger(class, within, class::size_of_class) };
-        self.shared.exit();
-        if let Some((a, c)) = larger {
-            return Ok(self.block(a, bytes, class::size_of_class(c), c));
-        }
-        let addr = pool.alloc_miss(size, bytes, &self.stream, Some(self))?;
-        Ok(self.block(addr, bytes, size, class))
     }
 
     #[inline(always)]
@@ -254,12 +253,13 @@ impl ThreadCache {
         self.pool.retire_cached(&self.stream, out);
     }
 
-    /// Move about `target` bytes out to the stream's retire queue, largest classes first.
-    pub(crate) fn flush_some(&self, target: u64) -> u64 {
+    /// Move about `target` bytes of the `classes` out to the stream's retire queue, largest
+    /// classes first.
+    pub(crate) fn flush_some(&self, target: u64, classes: std::ops::Range<usize>) -> u64 {
         self.shared.enter_wait();
         let mut out = Vec::new();
         // SAFETY: entered above.
-        let moved = unsafe { self.shared.drain_some(target, |c, a| out.push((c, a)), class::size_of_class) };
+        let moved = unsafe { self.shared.drain_some(target, classes, |c, a| out.push((c, a)), class::size_of_class) };
         self.shrink_budget();
         self.shared.exit();
         self.pool.retire_cached(&self.stream, out);

@@ -10,11 +10,13 @@
 //! lock, no driver call), else a full magazine from S's depot, else a block of a slightly
 //! larger class the cache holds, else the ladder: the arena without mapping → poll every
 //! stream's retire queue → flush this thread's cache and the depots into retire in rounds,
-//! largest classes first, closing every open batch (one event each) and polling after each
-//! → map more pages under `max_reserved`, first unmapping free pages elsewhere if the pool
-//! would pass its peak → wait on the oldest pending events, one at a time → take the blocks
-//! of other threads' idle caches → unmap wholly free pages and map again → only then
-//! [`Error::OutOfMemory`] with the figures. Requests above the largest cached class skip T0
+//! blocks of the request's half of the range only, largest classes first, closing every open
+//! batch (one event each) and polling after each → if mapping would take the pool past its
+//! peak, the same rounds for the other half, each followed by a trade (unmap wholly free
+//! pages, map the request's) → map more pages under `max_reserved`, unmapping free pages
+//! first past the peak → wait on the oldest pending events, one at a time → take the blocks
+//! of other threads' idle caches and every depot's → unmap wholly free pages and map again
+//! → only then [`Error::OutOfMemory`] with the figures. Requests above the largest cached class skip T0
 //! and T1: they reuse a block freed on the same stream if one fits, else the ladder.
 //!
 //! **Free** (dropping a [`Block`]) pushes the block into the dropping thread's cache for
@@ -474,34 +476,33 @@ impl PoolInner {
             }
         }
         // Before mapping, cached blocks of other classes are worth more to this request in
-        // the arena than in a cache: this thread's cache and the depots give back memory,
-        // largest classes first (the ones caches hit least), in rounds that double — twice
-        // the request, then four, eight times, then everything — each followed by a try of
-        // the arena, so a cache gives back only as much as the request needs: one emptied on
-        // every such miss would never warm up.
+        // the arena than in a cache: this thread's cache and the depots give back memory in
+        // rounds (see `flush_rounds`), so a cache gives back only as much as the request
+        // needs: one emptied on every such miss would never warm up. Only blocks of the
+        // request's half of the range can make room for it: the other half's would go back
+        // to the arena for nothing (on the random window, flushing both halves here emptied
+        // whole caches and kept the pool missing in steady state).
         Counters::bump(&self.counters.ladder_flushes, 1);
-        let mut target = size.saturating_mul(2).max(self.config.magazine_bytes);
-        for round in 0..4 {
-            if round == 3 {
-                target = u64::MAX;
-            }
-            let mut moved = own.map_or(0, |tc| tc.flush_some(target));
-            if moved < target {
-                moved += self.flush_depots(target - moved);
-            }
-            if moved == 0 && round > 0 {
-                break;
-            }
-            // Close every open batch (one event each) — the flushed blocks' and any other
-            // stream's — and give the fresh events a moment.
-            self.close_all();
-            if let Some(a) = self.poll_for(size, st)? {
+        let half = self.same_half_classes(size);
+        if let Some(a) = self.flush_rounds(size, own, half, |p| p.poll_for(size, st))? {
+            return Ok(a);
+        }
+        // Mapping past the pool's peak would raise the peak: the other half's cached blocks
+        // give back whole pages first, and the pool trades those (unmaps them, maps the
+        // request's) instead of growing. The shared traces' live memory moves between small
+        // and large blocks: without this step resnet_varbatch read 1.104 peak reserved ÷ peak
+        // live, with it 1.089. It costs the random window churn the request's half alone
+        // does not (simulated device, 5M pairs from a cold pool: 10–17k misses against 2k),
+        // but in steady state both miss a few dozen times in 5M.
+        if self.config.trade_pages_on_map && self.past_peak(size) > 0 {
+            let other = self.other_half_classes(size);
+            let traded = self.flush_rounds(size, own, other, |p| match p.poll_for(size, st)? {
+                Some(a) => Ok(Some(a)),
+                None => p.try_map_within_peak(size),
+            })?;
+            if let Some(a) = traded {
                 return Ok(a);
             }
-            if moved == 0 {
-                break;
-            }
-            target = target.saturating_mul(2);
         }
         Counters::bump(&self.counters.ladder_maps, 1);
         if let Some(a) = self.try_map(size)? {
@@ -511,9 +512,15 @@ impl PoolInner {
             return Ok(a);
         }
         // Other threads' idle caches give their blocks back (the handshake needs no help
-        // from them), then their batches retire like any other.
-        if self.steal_idle_caches() > 0 {
+        // from them), and every depot its magazines, both halves now: the request's half
+        // alone did not make room, and a page of the other half that falls wholly free can
+        // be unmapped and its budget mapped where the request fits. Then their batches
+        // retire like any other.
+        let stolen = self.steal_idle_caches();
+        if stolen > 0 {
             Counters::bump(&self.counters.ladder_steals, 1);
+        }
+        if stolen + self.flush_depots(u64::MAX, 0..class::MAX_CLASSES) > 0 {
             if let Some(a) = self.wait_and_retry(size)? {
                 return Ok(a);
             }
@@ -589,7 +596,7 @@ impl PoolInner {
         // miss map again (a driver call that serialises every thread mapping at once). The
         // free pages go first, so the peak never spikes by them.
         let page = self.pages.page_size();
-        let past_peak = (self.pages.mapped_bytes() + size).saturating_sub(self.pages.peak_mapped_bytes());
+        let past_peak = self.past_peak(size);
         if past_peak > 0 && self.config.trade_pages_on_map {
             let free = self.pages.free_mapped_pages() * page;
             if free > 0 {
@@ -710,7 +717,7 @@ impl PoolInner {
         let Some(st) = self.streams.load().get(&id).cloned() else { return };
         let guard = epoch::pin();
         // Before the flag: the depots' blocks join the open batch that the final event closes.
-        self.flush_stream_depots(&st, u64::MAX, &guard);
+        self.flush_stream_depots(&st, u64::MAX, 0..class::MAX_CLASSES, &guard);
         st.destroyed.store(true, Ordering::Release);
         let _ = self.close_one(&st, &guard);
         if !st.retire.has_pending(&guard) {
@@ -822,23 +829,103 @@ impl PoolInner {
 
     /// Depots give their blocks to their streams' retire queues, largest classes first,
     /// until at least `target` bytes have moved (`u64::MAX`: all). Returns the bytes moved.
-    fn flush_depots(&self, target: u64) -> u64 {
+    fn flush_depots(&self, target: u64, classes: std::ops::Range<usize>) -> u64 {
         let guard = epoch::pin();
         let mut moved = 0;
         for st in self.states() {
             if moved >= target {
                 break;
             }
-            moved += self.flush_stream_depots(&st, target - moved, &guard);
+            moved += self.flush_stream_depots(&st, target - moved, classes.clone(), &guard);
         }
         moved
     }
 
-    /// One stream's depots give their blocks to its retire queue, largest classes first,
-    /// until at least `target` bytes have moved. Returns the bytes moved.
-    fn flush_stream_depots(&self, st: &StreamState, target: u64, guard: &epoch::Guard) -> u64 {
+    /// Rounds in which cached blocks of the `classes` go back towards the arena — this
+    /// thread's cache first, then the depots; largest classes first (the ones caches hit
+    /// least); twice the request, then four, eight times, then all of them — each followed
+    /// by closing every open batch (one event each) and `attempt`. Stops at the first
+    /// address `attempt` gives, or when nothing is left to give back.
+    fn flush_rounds(
+        &self,
+        size: u64,
+        own: Option<&local::ThreadCache>,
+        classes: std::ops::Range<usize>,
+        mut attempt: impl FnMut(&Self) -> Result<Option<u64>>,
+    ) -> Result<Option<u64>> {
+        let mut target = size.saturating_mul(2).max(self.config.magazine_bytes);
+        for round in 0..4 {
+            if round == 3 {
+                target = u64::MAX;
+            }
+            let mut moved = own.map_or(0, |tc| tc.flush_some(target, classes.clone()));
+            if moved < target {
+                moved += self.flush_depots(target - moved, classes.clone());
+            }
+            if moved == 0 && round > 0 {
+                break;
+            }
+            // The flushed blocks' batches and any other stream's.
+            self.close_all();
+            if let Some(a) = attempt(self)? {
+                return Ok(Some(a));
+            }
+            if moved == 0 {
+                break;
+            }
+            target = target.saturating_mul(2);
+        }
+        Ok(None)
+    }
+
+    /// Bytes by which mapping `size` more bytes would take the pool past its peak.
+    fn past_peak(&self, size: u64) -> u64 {
+        (self.pages.mapped_bytes() + size).saturating_sub(self.pages.peak_mapped_bytes())
+    }
+
+    /// The arena with mapping, but only as a trade: when the pool would map past its peak
+    /// and not enough wholly free pages are mapped to unmap first, None (nothing changed).
+    fn try_map_within_peak(&self, size: u64) -> Result<Option<u64>> {
+        let page = self.pages.page_size();
+        let past = self.past_peak(size).next_multiple_of(page);
+        if past > self.pages.free_mapped_pages() * page {
+            return Ok(None);
+        }
+        self.try_map(size)
+    }
+
+    /// The cached classes of the other half of the range than a block of `size` bytes.
+    fn other_half_classes(&self, size: u64) -> std::ops::Range<usize> {
+        let same = self.same_half_classes(size);
+        if same.start == 0 {
+            same.end..self.hot.classes
+        } else {
+            0..same.start
+        }
+    }
+
+    /// The cached classes whose blocks share the arena's half with a block of `size` bytes.
+    fn same_half_classes(&self, size: u64) -> std::ops::Range<usize> {
+        let classes = self.hot.classes;
+        let split = class::class_of(self.config.large_block_threshold).map_or(classes, |c| c.min(classes));
+        if size < self.config.large_block_threshold {
+            0..split
+        } else {
+            split..classes
+        }
+    }
+
+    /// One stream's depots of the `classes` give their blocks to its retire queue, largest
+    /// classes first, until at least `target` bytes have moved. Returns the bytes moved.
+    fn flush_stream_depots(
+        &self,
+        st: &StreamState,
+        target: u64,
+        classes: std::ops::Range<usize>,
+        guard: &epoch::Guard,
+    ) -> u64 {
         let mut moved = 0;
-        for (class, d) in st.depots.iter().enumerate().rev() {
+        for (class, d) in st.depots.iter().enumerate().rev().filter(|(c, _)| classes.contains(c)) {
             let size = class::size_of_class(class);
             while moved < target && d.full_count() > 0 {
                 let Some(mut m) = d.take_full(guard) else { break };
@@ -1020,7 +1107,7 @@ impl PoolInner {
     fn trim(&self) -> Result<()> {
         local::flush(self);
         self.steal_idle_caches();
-        self.flush_depots(u64::MAX);
+        self.flush_depots(u64::MAX, 0..class::MAX_CLASSES);
         self.drain_deferred();
         self.close_all();
         loop {
