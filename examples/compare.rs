@@ -13,7 +13,8 @@
 //! threads, each its own stream, 64 live blocks, sizes log-uniform 256 B – 4 MiB drawn before
 //! timing) and the three traces of `benches/traces`. Each measurement runs for a fixed time
 //! (the iteration count follows from it), so every allocator gets ~0.4–0.8 s however slow
-//! it is; `--quick` runs every measurement 10× shorter.
+//! it is, after a warm-up of the same length for all (the window: half the measured time);
+//! `--quick` runs every measurement 10× shorter.
 //!
 //! ```text
 //! cargo run --release --example compare [-- --quick]
@@ -126,8 +127,6 @@ trait Worker {
     type H;
     /// Pairs between two looks at the clock or the stop flag.
     const CHUNK: u64;
-    /// Untimed random-window iterations before the measurement.
-    const WARM: u64;
     fn alloc(&mut self, bytes: usize) -> Self::H;
     fn free(&mut self, h: Self::H);
     /// Wait until the work this worker enqueued is done.
@@ -144,7 +143,6 @@ struct Vram<'a> {
 impl Worker for Vram<'_> {
     type H = Block;
     const CHUNK: u64 = 64;
-    const WARM: u64 = 20_000;
     #[inline(always)]
     fn alloc(&mut self, bytes: usize) -> Block {
         match self.cache.alloc(bytes) {
@@ -167,7 +165,6 @@ struct CuMem;
 impl Worker for CuMem {
     type H = u64;
     const CHUNK: u64 = 1;
-    const WARM: u64 = 32;
     #[inline(always)]
     fn alloc(&mut self, bytes: usize) -> u64 {
         let mut p: sys::CUdeviceptr = 0;
@@ -199,7 +196,6 @@ impl<'a> CuAsync<'a> {
 impl Worker for CuAsync<'_> {
     type H = u64;
     const CHUNK: u64 = 16;
-    const WARM: u64 = 2_000;
     #[inline(always)]
     fn alloc(&mut self, bytes: usize) -> u64 {
         let mut p: sys::CUdeviceptr = 0;
@@ -226,7 +222,6 @@ struct Bf<'a> {
 impl Worker for Bf<'_> {
     type H = (u64, u64);
     const CHUNK: u64 = 64;
-    const WARM: u64 = 20_000;
     #[inline(always)]
     fn alloc(&mut self, bytes: usize) -> (u64, u64) {
         let s = bytes as u64;
@@ -300,7 +295,8 @@ impl Run {
 }
 
 /// `threads` threads, thread t on `streams[t]` with the worker `make` gives it: each fills its
-/// window, warms up, waits for the others, then replaces random blocks until told to stop.
+/// window, warms up for `dur / 2`, waits for the others, then replaces random blocks until
+/// told to stop.
 fn window<'a, W, F>(dev: &'a CudaDevice, streams: &'a [Stream], threads: usize, dur: Duration, make: F) -> Run
 where
     W: Worker,
@@ -317,8 +313,13 @@ where
                     let mut w = make(stream);
                     let mut rng = Rng::new(0x9e37_79b9_7f4a_7c15 ^ (t as u64 + 1));
                     let mut slots: Vec<W::H> = (0..WINDOW).map(|_| w.alloc(rng.size())).collect();
-                    for _ in 0..W::WARM {
-                        step(&mut w, &mut slots, &mut rng);
+                    // Warm up for half the measured time, the same for every allocator: the
+                    // figure is the steady state of a server, not its first milliseconds.
+                    let warm_until = Instant::now() + dur / 2;
+                    while Instant::now() < warm_until {
+                        for _ in 0..W::CHUNK {
+                            step(&mut w, &mut slots, &mut rng);
+                        }
                     }
                     w.sync();
                     barrier.wait();

@@ -99,6 +99,19 @@ impl Hot {
     const EMPTY: Hot = Hot { slots: std::ptr::NonNull::dangling().as_ptr(), len: 0, cap: 0 };
 }
 
+/// Hot entries: one per possible class index below 256, so the hit paths index them with a
+/// class clamped to 255 and need no bounds check; classes past the pool's (and past
+/// [`MAX_CLASSES`]) keep [`Hot::EMPTY`], so a clamped out-of-range class (an uncached
+/// block's `u64::MAX` included) simply misses.
+const HOT_ENTRIES: usize = 256;
+const _: () = assert!(MAX_CLASSES < HOT_ENTRIES);
+
+/// The entry of `class` for the hit paths: clamped, not checked (see [`HOT_ENTRIES`]).
+#[inline(always)]
+fn hot_index(class: usize) -> u8 {
+    class.min(HOT_ENTRIES - 1) as u8
+}
+
 /// The magazines of every class, and their hot entries.
 ///
 /// Invariant (between operations): `hot[c]` is [`Hot::EMPTY`] when `classes[c]` is None,
@@ -106,7 +119,7 @@ impl Hot {
 /// path that touches class `c`'s magazines [`Mags::open`]s it first (writing the count back
 /// into the magazine) and [`Mags::close`]s it after (reloading the entry).
 struct Mags {
-    hot: [Hot; MAX_CLASSES],
+    hot: [Hot; HOT_ENTRIES],
     classes: Vec<Option<ClassMags>>,
 }
 
@@ -208,7 +221,7 @@ impl CacheShared {
         CacheShared {
             in_use: AtomicBool::new(false),
             steal: AtomicBool::new(false),
-            mags: UnsafeCell::new(Mags { hot: [Hot::EMPTY; MAX_CLASSES], classes: v }),
+            mags: UnsafeCell::new(Mags { hot: [Hot::EMPTY; HOT_ENTRIES], classes: v }),
             retired: AtomicBool::new(false),
             counters: CacheCounters::default(),
         }
@@ -298,7 +311,7 @@ impl CacheShared {
     #[inline(always)]
     pub unsafe fn pop(&self, class: usize, size: u64) -> Option<u64> {
         // SAFETY: the caller holds the handshake.
-        let h = unsafe { self.mags() }.hot.get_mut(class)?;
+        let h = &mut unsafe { self.mags() }.hot[hot_index(class) as usize];
         if h.len == 0 {
             return None;
         }
@@ -434,7 +447,7 @@ impl CacheShared {
             return false;
         }
         // SAFETY: the caller holds the handshake.
-        let Some(h) = unsafe { self.mags() }.hot.get_mut(slot.class) else { return false };
+        let h = &mut unsafe { self.mags() }.hot[hot_index(slot.class) as usize];
         if h.len >= h.cap {
             return false;
         }

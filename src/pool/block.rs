@@ -28,7 +28,10 @@ pub struct Block {
     /// Bytes the block holds: its class's size, or the arena's size for it; 0 only for an
     /// empty block.
     pub(crate) size: u64,
-    pub(crate) class: u64,
+    /// The size class, or [`NO_CLASS`]: for a block no cache holds, and for one used on
+    /// other streams (`record_stream` sets it), so the free's hit path, which looks up the
+    /// class's magazine, needs no other test to send such a block down the slow path.
+    pub(crate) class: Cell<u64>,
     pub(crate) stream: StreamId,
     /// The pool's state; dangling for an empty block (`size == 0`), which owns nothing.
     pub(crate) pool: NonNull<PoolInner>,
@@ -48,7 +51,7 @@ impl Block {
             addr: 0,
             len: 0,
             size: 0,
-            class: NO_CLASS,
+            class: Cell::new(NO_CLASS),
             stream,
             pool: NonNull::dangling(),
             used_on: Cell::new(std::ptr::null_mut()),
@@ -94,6 +97,7 @@ impl Block {
         let used = self.used_on.get();
         if used.is_null() {
             self.used_on.set(Box::into_raw(Box::new(vec![other.clone()])));
+            self.class.set(NO_CLASS);
             return;
         }
         // SAFETY: a non-null `used_on` is a `Box<Vec<Stream>>` owned by this block; the block
@@ -119,14 +123,13 @@ impl fmt::Debug for Block {
 impl Drop for Block {
     #[inline]
     fn drop(&mut self) {
-        if self.size == 0 {
+        // A block of no class (uncached, or used on other streams) finds no magazine on the
+        // hit path, and an empty one no cache (its pool pointer is dangling): all fall to
+        // `drop_slow`, which tells them apart, so the hit path tests none of them.
+        if local::try_free_fast(self.pool, self) {
             return;
         }
-        let pool = self.pool;
-        if self.class != NO_CLASS && self.used_on.get().is_null() && local::try_free_fast(pool, self) {
-            return;
-        }
-        self.drop_slow(pool);
+        self.drop_slow();
     }
 }
 
@@ -134,9 +137,13 @@ impl Block {
     /// Everything but the cache's hit path, out of line so the hit path stays a leaf.
     #[cold]
     #[inline(never)]
-    fn drop_slow(&mut self, pool: NonNull<PoolInner>) {
+    fn drop_slow(&mut self) {
+        if self.size == 0 {
+            return;
+        }
+        let pool = self.pool;
         let used = self.used_on.get();
-        if self.class != NO_CLASS && used.is_null() && local::free_slow(pool, self) {
+        if self.class.get() != NO_CLASS && used.is_null() && local::free_slow(pool, self) {
             return;
         }
         let used_on = if used.is_null() {

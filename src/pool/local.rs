@@ -46,6 +46,8 @@ pub(crate) struct ThreadCache {
     stream_id: StreamId,
     pub(crate) shared: Arc<CacheShared>,
     pub(crate) pool: Arc<PoolInner>,
+    /// `pool` as the raw pointer every block carries.
+    pool_ptr: NonNull<PoolInner>,
     pub(crate) stream: Arc<StreamState>,
 }
 
@@ -189,9 +191,9 @@ impl ThreadCache {
             addr,
             len,
             size,
-            class: class as u64,
+            class: Cell::new(class as u64),
             stream: self.stream_id,
-            pool: NonNull::from(&*self.pool),
+            pool: self.pool_ptr,
             used_on: Cell::new(std::ptr::null_mut()),
         }
     }
@@ -420,6 +422,7 @@ pub(crate) fn cache_for(pool: &Arc<PoolInner>, stream: &Arc<StreamState>) -> Opt
                 stream_id: id,
                 shared: pool.register_cache(stream),
                 pool: Arc::clone(pool),
+                pool_ptr: NonNull::from(&**pool),
                 stream: Arc::clone(stream),
             });
             l.entries.borrow_mut().push(Entry { pool: p, stream: id, tc: Rc::clone(&tc) });
@@ -483,7 +486,7 @@ fn alloc_uncached(pool: &Arc<PoolInner>, stream: &Stream, bytes: usize) -> Resul
 pub(crate) fn try_free_fast(pool: NonNull<PoolInner>, block: &Block) -> bool {
     let p = pool.as_ptr() as *const PoolInner;
     MEMO.try_with(|m| match m.find_shared(p, block.stream) {
-        Some(shared) => shared.try_push_fast(block.class as usize, block.size, block.addr),
+        Some(shared) => shared.try_push_fast(block.class.get() as usize, block.size, block.addr),
         None => false,
     })
     .unwrap_or(false)
@@ -495,10 +498,10 @@ pub(crate) fn try_free_fast(pool: NonNull<PoolInner>, block: &Block) -> bool {
 #[cold]
 #[inline(never)]
 pub(crate) fn free_slow(pool: NonNull<PoolInner>, block: &Block) -> bool {
-    debug_assert!(block.class != NO_CLASS);
+    debug_assert!(block.class.get() != NO_CLASS);
     let p = pool.as_ptr() as *const PoolInner;
-    let memo =
-        MEMO.try_with(|m| m.find(p, block.stream).map(|tc| tc.free(block.class as usize, block.size, block.addr)));
+    let memo = MEMO
+        .try_with(|m| m.find(p, block.stream).map(|tc| tc.free(block.class.get() as usize, block.size, block.addr)));
     if let Ok(Some(())) = memo {
         return true;
     }
@@ -506,7 +509,7 @@ pub(crate) fn free_slow(pool: NonNull<PoolInner>, block: &Block) -> bool {
         if MEMO.try_with(|m| m.remember(p, block.stream, Rc::as_ptr(&tc))).is_err() {
             return false;
         }
-        tc.free(block.class as usize, block.size, block.addr);
+        tc.free(block.class.get() as usize, block.size, block.addr);
         return true;
     }
     if LOCAL.try_with(|_| ()).is_err() {
@@ -524,7 +527,7 @@ pub(crate) fn free_slow(pool: NonNull<PoolInner>, block: &Block) -> bool {
     }
     match cache_for(&arc, &st) {
         Some(tc) => {
-            tc.free(block.class as usize, block.size, block.addr);
+            tc.free(block.class.get() as usize, block.size, block.addr);
             true
         }
         None => false,

@@ -412,7 +412,7 @@ impl PoolInner {
             addr,
             len: bytes,
             size,
-            class: NO_CLASS,
+            class: std::cell::Cell::new(NO_CLASS),
             stream: id,
             pool: std::ptr::NonNull::from(&**self),
             used_on: std::cell::Cell::new(std::ptr::null_mut()),
