@@ -61,7 +61,7 @@ pub enum Error {
         /// The driver's error code (CUresult), or -1 for the simulator.
         code: i32,
         /// The driver's words for it.
-        message: String,
+        message: Box<str>,
     },
 }
 
@@ -112,7 +112,7 @@ mod tests {
     fn an_error_fits_beside_a_blocks_niche() {
         // `Result<Block, Error>` is the size of a block only while an error fits in a
         // block's words other than its never-null pool pointer.
-        assert!(std::mem::size_of::<Error>() <= 48, "Error is {} bytes", std::mem::size_of::<Error>());
+        assert!(std::mem::size_of::<Error>() <= 40, "Error is {} bytes", std::mem::size_of::<Error>());
         assert_eq!(std::mem::size_of::<Result<crate::Block, Error>>(), std::mem::size_of::<crate::Block>());
     }
 }

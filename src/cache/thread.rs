@@ -331,17 +331,15 @@ impl CacheShared {
     pub unsafe fn pop_prev(&self, class: usize, size: u64) -> Option<u64> {
         // SAFETY: the caller holds the handshake.
         let mags = unsafe { self.mags() };
-        let cm = mags.open(class)?;
-        let a = if cm.prev.is_empty() {
-            None
-        } else {
-            std::mem::swap(&mut cm.loaded, &mut cm.prev);
-            cm.loaded.pop()
-        };
-        mags.close(class);
-        if a.is_some() {
-            self.count_hit(size);
+        // The previous magazine is not described by the hot entry: look before opening.
+        if mags.classes.get(class)?.as_ref()?.prev.is_empty() {
+            return None;
         }
+        let cm = mags.open(class)?;
+        std::mem::swap(&mut cm.loaded, &mut cm.prev);
+        let a = cm.loaded.pop();
+        mags.close(class);
+        self.count_hit(size);
         a
     }
 
@@ -412,19 +410,22 @@ impl CacheShared {
         // SAFETY: the caller holds the handshake.
         let mags = unsafe { self.mags() };
         let end = mags.classes.len().min(class + 1 + within);
-        // The smallest larger class that holds a block: its loaded magazine by the count
-        // alone (no magazine opened), else its previous one (which no hot entry describes).
+        // The loaded magazines first, by their counts alone (no magazine opened): a tight
+        // scan, since on random sizes about half the allocations come here. Then the
+        // previous ones (which no hot entry describes).
         for c in class + 1..end {
             let h = &mut mags.hot[c];
-            let a = if h.len > 0 {
+            if h.len > 0 {
                 h.len -= 1;
                 // SAFETY: as in `pop`: `h` names class `c`'s loaded magazine, which held
                 // `len + 1` blocks.
-                Some(unsafe { *h.slots.add(h.len as usize) })
-            } else {
-                mags.classes[c].as_mut().and_then(|cm| cm.prev.pop())
-            };
-            if let Some(a) = a {
+                let a = unsafe { *h.slots.add(h.len as usize) };
+                self.count_hit(class_size(c));
+                return Some((a, c));
+            }
+        }
+        for c in class + 1..end {
+            if let Some(a) = mags.classes[c].as_mut().and_then(|cm| cm.prev.pop()) {
                 self.count_hit(class_size(c));
                 return Some((a, c));
             }

@@ -40,7 +40,7 @@ fn check_not_in_host_fn() -> Result<()> {
     }
 }
 
-fn sim_err(call: &'static str, message: impl Into<String>) -> Error {
+fn sim_err(call: &'static str, message: impl Into<Box<str>>) -> Error {
     Error::Device { call, code: -1, message: message.into() }
 }
 
@@ -618,7 +618,8 @@ impl Device for SimDevice {
             return Err(Error::Device {
                 call: "cuMemCreate",
                 code: 2,
-                message: format!("out of memory: {used} of {} bytes mapped, {len} more asked", self.inner.capacity),
+                message: format!("out of memory: {used} of {} bytes mapped, {len} more asked", self.inner.capacity)
+                    .into(),
             });
         }
         // SAFETY: the range lies inside one of our PROT_NONE reservations and nothing is mapped
@@ -649,7 +650,7 @@ impl Device for SimDevice {
             return Err(Error::Device {
                 call: "cuMemUnmap",
                 code: 1,
-                message: format!("[{addr:#x}, +{bytes}) is not exactly one mapping"),
+                message: format!("[{addr:#x}, +{bytes}) is not exactly one mapping").into(),
             });
         }
         mem.mappings.remove(&addr);

@@ -11,8 +11,11 @@ use std::ptr::NonNull;
 use super::{local, PoolInner};
 use crate::device::{Stream, StreamId};
 
-/// The class of a block that no cache holds (larger than the largest cached class).
-pub(crate) const NO_CLASS: u64 = u64::MAX;
+/// The class of a block that no cache holds (larger than the largest cached class, made
+/// where the thread has no cache, or used on other streams). Classes sit in the low byte of
+/// a block's size (sizes are multiples of 256), and no class is this high.
+pub(crate) const NO_CLASS: u64 = 0xFF;
+const _: () = assert!(crate::class::MAX_CLASSES < NO_CLASS as usize && crate::ALIGN == 256);
 
 /// A block of device memory from a [`super::Pool`]. Dropping it frees it in stream order on
 /// its stream. `Send`, not `Sync`: one thread holds it at a time; any thread may drop it.
@@ -25,13 +28,13 @@ pub(crate) const NO_CLASS: u64 = u64::MAX;
 pub struct Block {
     pub(crate) addr: u64,
     pub(crate) len: usize,
-    /// Bytes the block holds: its class's size, or the arena's size for it; 0 only for an
-    /// empty block.
-    pub(crate) size: u64,
-    /// The size class, or [`NO_CLASS`]: for a block no cache holds, and for one used on
-    /// other streams (`record_stream` sets it), so the free's hit path, which looks up the
-    /// class's magazine, needs no other test to send such a block down the slow path.
-    pub(crate) class: Cell<u64>,
+    /// The bytes the block holds (its class's size, or the arena's size for it; 0 only for
+    /// an empty block), a multiple of 256, with the size class in its low byte, or
+    /// [`NO_CLASS`]: for a block no cache holds, and for one used on other streams
+    /// (`record_stream` sets it), so the free's hit path, which looks up the class's
+    /// magazine, needs no other test to send such a block down the slow path. One word for
+    /// both keeps a block at six words.
+    pub(crate) size_class: Cell<u64>,
     pub(crate) stream: StreamId,
     /// The pool's state; dangling for an empty block (`size == 0`), which owns nothing.
     pub(crate) pool: NonNull<PoolInner>,
@@ -50,8 +53,7 @@ impl Block {
         Block {
             addr: 0,
             len: 0,
-            size: 0,
-            class: Cell::new(NO_CLASS),
+            size_class: Cell::new(NO_CLASS),
             stream,
             pool: NonNull::dangling(),
             used_on: Cell::new(std::ptr::null_mut()),
@@ -79,7 +81,24 @@ impl Block {
     /// Bytes usable at [`Block::device_ptr`] (at least [`Block::len`]: the size class).
     #[inline]
     pub fn capacity(&self) -> usize {
-        self.size as usize
+        self.size() as usize
+    }
+
+    #[inline(always)]
+    pub(crate) fn size(&self) -> u64 {
+        self.size_class.get() & !NO_CLASS
+    }
+
+    #[inline(always)]
+    pub(crate) fn class(&self) -> u64 {
+        self.size_class.get() & NO_CLASS
+    }
+
+    /// The word of a block of `size` bytes (a multiple of 256) in `class` (or [`NO_CLASS`]).
+    #[inline(always)]
+    pub(crate) fn size_class_of(size: u64, class: u64) -> Cell<u64> {
+        debug_assert!(size % crate::ALIGN == 0 && class <= NO_CLASS);
+        Cell::new(size | class)
     }
 
     /// The id of the stream the block was allocated on, and will be freed on.
@@ -91,13 +110,13 @@ impl Block {
     /// Say that the block was also used on `other`: its free then waits for the work
     /// enqueued on `other` before the free, as well as its own stream's.
     pub fn record_stream(&self, other: &Stream) {
-        if self.size == 0 || other.id() == self.stream {
+        if self.size() == 0 || other.id() == self.stream {
             return;
         }
         let used = self.used_on.get();
         if used.is_null() {
             self.used_on.set(Box::into_raw(Box::new(vec![other.clone()])));
-            self.class.set(NO_CLASS);
+            self.size_class.set(self.size() | NO_CLASS);
             return;
         }
         // SAFETY: a non-null `used_on` is a `Box<Vec<Stream>>` owned by this block; the block
@@ -114,7 +133,7 @@ impl fmt::Debug for Block {
         f.debug_struct("Block")
             .field("ptr", &format_args!("{:#x}", self.addr))
             .field("len", &self.len)
-            .field("capacity", &self.size)
+            .field("capacity", &self.size())
             .field("stream", &self.stream)
             .finish()
     }
@@ -138,12 +157,12 @@ impl Block {
     #[cold]
     #[inline(never)]
     fn drop_slow(&mut self) {
-        if self.size == 0 {
+        if self.size() == 0 {
             return;
         }
         let pool = self.pool;
         let used = self.used_on.get();
-        if self.class.get() != NO_CLASS && used.is_null() && local::free_slow(pool, self) {
+        if self.class() != NO_CLASS && used.is_null() && local::free_slow(pool, self) {
             return;
         }
         let used_on = if used.is_null() {
@@ -155,6 +174,6 @@ impl Block {
         };
         // SAFETY: the pool's state outlives every block.
         let pool = unsafe { pool.as_ref() };
-        pool.free_slow(self.addr, self.size, self.stream, used_on);
+        pool.free_slow(self.addr, self.size(), self.stream, used_on);
     }
 }

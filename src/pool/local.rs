@@ -29,7 +29,12 @@ use crate::sync::epoch;
 /// reserved ÷ peak live stayed at most 1.089.
 const BORROW_CLASSES: usize = 16;
 
-/// ... but for large blocks only this many (three quarters of a doubling): the extra
+/// ... but one doubling once the pool has mapped most of what it may: a borrowed block's
+/// extra capacity is held while it lives, and there it is memory another request needs (a
+/// stress run at its limit ran out of memory about one time in ten with two doublings).
+const BORROW_CLASSES_NEAR_LIMIT: usize = 8;
+
+/// ... and for large blocks only this many (three quarters of a doubling): the extra
 /// capacity is held while the block lives, and on large blocks it shows in the footprint (a
 /// whole doubling cost resnet_varbatch 1.078 → 1.104 peak reserved ÷ peak live; a quarter
 /// doubling tripled the random window's misses on an H200).
@@ -59,25 +64,27 @@ impl ThreadCache {
     #[inline(always)]
     pub(crate) fn alloc(&self, bytes: usize) -> Result<Block> {
         // A class past the pool's cached ones has no magazines, so it misses here.
-        if let Some(class) = class::class_of(bytes as u64) {
+        let class = class::class_of(bytes as u64);
+        if let Some(class) = class {
             let size = class::size_of_class(class);
             if let Some(a) = self.shared.try_pop_fast(class, size) {
                 return Ok(self.block(a, bytes, size, class));
             }
         }
-        self.alloc_cold(bytes)
+        self.alloc_cold(bytes, class)
     }
 
     /// Everything but the hit path: the magazines again once any thief is gone, the
-    /// previous magazine, the depot, a larger cached class, the arena.
+    /// previous magazine, the depot, a larger cached class, the arena. `class` is
+    /// `class_of(bytes)`, already computed by the caller.
     #[cold]
     #[inline(never)]
-    fn alloc_cold(&self, bytes: usize) -> Result<Block> {
+    pub(crate) fn alloc_cold(&self, bytes: usize, class: Option<usize>) -> Result<Block> {
         if bytes == 0 {
             return Ok(Block::empty(self.stream_id));
         }
         let pool = &*self.pool;
-        let class = match class::class_of(bytes as u64) {
+        let class = match class {
             Some(c) if c < pool.hot.classes => c,
             _ => return self.pool.alloc_uncached(bytes, &self.stream, Some(self)),
         };
@@ -99,22 +106,26 @@ impl ThreadCache {
     /// borrow again. So this path is kept cheap: one handshake, the depot (an epoch pin)
     /// only when it holds a magazine, the borrow a scan of loaded-magazine counts.
     fn take_cached(&self, class: usize, size: u64) -> Option<(u64, usize)> {
-        let (Some(&cap), Some(depot)) = (self.pool.hot.caps.get(class), self.stream.depots.get(class)) else {
-            return None;
-        };
         self.shared.enter_wait();
         // SAFETY: entered above (for both calls).
         if let Some(a) = unsafe { self.shared.pop(class, size).or_else(|| self.shared.pop_prev(class, size)) } {
             self.shared.exit();
             return Some((a, class));
         }
-        if depot.full_count() > 0 {
+        let depot = self.stream.depots.get(class);
+        if let (Some(depot), Some(&cap)) = (depot.filter(|d| d.full_count() > 0), self.pool.hot.caps.get(class)) {
             if let Some(a) = self.refill(Slot { class, size, cap: cap as usize }, depot) {
                 return Some((a, class));
             }
             self.shared.enter_wait();
         }
-        let within = if size < self.pool.config.large_block_threshold { BORROW_CLASSES } else { BORROW_CLASSES_LARGE };
+        let within = if size >= self.pool.config.large_block_threshold {
+            BORROW_CLASSES_LARGE
+        } else if self.pool.near_limit() {
+            BORROW_CLASSES_NEAR_LIMIT
+        } else {
+            BORROW_CLASSES
+        };
         // SAFETY: entered (above, or again after the refill exited).
         let larger = unsafe { self.shared.pop_larger(class, within, class::size_of_class) };
         self.shared.exit();
@@ -186,12 +197,11 @@ impl ThreadCache {
     }
 
     #[inline(always)]
-    fn block(&self, addr: u64, len: usize, size: u64, class: usize) -> Block {
+    pub(crate) fn block(&self, addr: u64, len: usize, size: u64, class: usize) -> Block {
         Block {
             addr,
             len,
-            size,
-            class: Cell::new(class as u64),
+            size_class: Block::size_class_of(size, class as u64),
             stream: self.stream_id,
             pool: self.pool_ptr,
             used_on: Cell::new(std::ptr::null_mut()),
@@ -440,22 +450,42 @@ pub(crate) fn stream_cache(pool: &Arc<PoolInner>, stream: &Arc<StreamState>) -> 
 
 /// Allocate through the calling thread's cache for `stream`; without a cache (this thread's
 /// thread-locals are gone: it is exiting; or it runs a host function), straight from the
-/// arena. One call of the cache's hit path whichever way the cache was found, so the block
-/// is built in one place.
+/// arena. The same shape as [`ThreadCache::alloc`]: the hit path builds the block in place,
+/// and one cold call does everything else, so a hit never copies a block through a second
+/// slot.
 #[inline(always)]
 pub(crate) fn alloc(pool: &Arc<PoolInner>, stream: &Stream, bytes: usize) -> Result<Block> {
     let p = Arc::as_ptr(pool);
+    let class = class::class_of(bytes as u64);
+    if let Some(class) = class {
+        if let Ok(Some(tc)) = MEMO.try_with(|m| m.find(p, stream.id()).map(|tc| tc as *const ThreadCache)) {
+            // SAFETY: the memo names a cache a live entry of this thread holds (see `Memo`).
+            let tc = unsafe { &*tc };
+            let size = class::size_of_class(class);
+            if let Some(a) = tc.shared.try_pop_fast(class, size) {
+                return Ok(tc.block(a, bytes, size, class));
+            }
+        }
+    }
+    alloc_slow(pool, stream, bytes, class)
+}
+
+/// Everything [`alloc`]'s hit path does not do: find (or make) the cache, then its cold path.
+#[cold]
+#[inline(never)]
+fn alloc_slow(pool: &Arc<PoolInner>, stream: &Stream, bytes: usize, class: Option<usize>) -> Result<Block> {
+    let p = Arc::as_ptr(pool);
     let tc = match MEMO.try_with(|m| m.find(p, stream.id()).map(|tc| tc as *const ThreadCache)) {
-        Ok(Some(tc)) => tc,
-        _ => match find_cold(pool, stream) {
-            Some(tc) => tc,
-            None => return alloc_uncached(pool, stream, bytes),
-        },
+        Ok(Some(tc)) => Some(tc),
+        _ => find_cold(pool, stream),
     };
-    // SAFETY: `tc` names a cache a live entry of this thread holds (the memo's, or the one
-    // `find_cold` found or made and remembered), and nothing the allocation reaches removes
-    // entries (see `Memo`).
-    unsafe { &*tc }.alloc(bytes)
+    match tc {
+        // SAFETY: `tc` names a cache a live entry of this thread holds (the memo's, or the
+        // one `find_cold` found or made and remembered), and nothing the allocation reaches
+        // removes entries (see `Memo`).
+        Some(tc) => unsafe { &*tc }.alloc_cold(bytes, class),
+        None => pool.alloc_uncached(bytes, &pool.stream_state(stream)?, None),
+    }
 }
 
 /// The memo missed: this thread's cache for (`pool`, `stream`), found or made, and
@@ -473,12 +503,6 @@ fn find_cold(pool: &Arc<PoolInner>, stream: &Stream) -> Option<*const ThreadCach
     Some(Rc::as_ptr(&tc))
 }
 
-#[cold]
-#[inline(never)]
-fn alloc_uncached(pool: &Arc<PoolInner>, stream: &Stream, bytes: usize) -> Result<Block> {
-    pool.alloc_uncached(bytes, &pool.stream_state(stream)?, None)
-}
-
 /// Free `block` into the calling thread's cache for its stream, if the thread-local memo
 /// names that cache and its hit path takes the block: a leaf, with no call, so the block's
 /// drop keeps its fast path free of register saves. False: the caller takes [`free_slow`].
@@ -486,7 +510,7 @@ fn alloc_uncached(pool: &Arc<PoolInner>, stream: &Stream, bytes: usize) -> Resul
 pub(crate) fn try_free_fast(pool: NonNull<PoolInner>, block: &Block) -> bool {
     let p = pool.as_ptr() as *const PoolInner;
     MEMO.try_with(|m| match m.find_shared(p, block.stream) {
-        Some(shared) => shared.try_push_fast(block.class.get() as usize, block.size, block.addr),
+        Some(shared) => shared.try_push_fast(block.class() as usize, block.size(), block.addr),
         None => false,
     })
     .unwrap_or(false)
@@ -498,10 +522,10 @@ pub(crate) fn try_free_fast(pool: NonNull<PoolInner>, block: &Block) -> bool {
 #[cold]
 #[inline(never)]
 pub(crate) fn free_slow(pool: NonNull<PoolInner>, block: &Block) -> bool {
-    debug_assert!(block.class.get() != NO_CLASS);
+    debug_assert!(block.class() != NO_CLASS);
     let p = pool.as_ptr() as *const PoolInner;
-    let memo = MEMO
-        .try_with(|m| m.find(p, block.stream).map(|tc| tc.free(block.class.get() as usize, block.size, block.addr)));
+    let memo =
+        MEMO.try_with(|m| m.find(p, block.stream).map(|tc| tc.free(block.class() as usize, block.size(), block.addr)));
     if let Ok(Some(())) = memo {
         return true;
     }
@@ -509,7 +533,7 @@ pub(crate) fn free_slow(pool: NonNull<PoolInner>, block: &Block) -> bool {
         if MEMO.try_with(|m| m.remember(p, block.stream, Rc::as_ptr(&tc))).is_err() {
             return false;
         }
-        tc.free(block.class.get() as usize, block.size, block.addr);
+        tc.free(block.class() as usize, block.size(), block.addr);
         return true;
     }
     if LOCAL.try_with(|_| ()).is_err() {
@@ -527,7 +551,7 @@ pub(crate) fn free_slow(pool: NonNull<PoolInner>, block: &Block) -> bool {
     }
     match cache_for(&arc, &st) {
         Some(tc) => {
-            tc.free(block.class.get() as usize, block.size, block.addr);
+            tc.free(block.class() as usize, block.size(), block.addr);
             true
         }
         None => false,

@@ -411,8 +411,7 @@ impl PoolInner {
         Ok(Block {
             addr,
             len: bytes,
-            size,
-            class: std::cell::Cell::new(NO_CLASS),
+            size_class: Block::size_class_of(size, NO_CLASS),
             stream: id,
             pool: std::ptr::NonNull::from(&**self),
             used_on: std::cell::Cell::new(std::ptr::null_mut()),
@@ -483,8 +482,12 @@ impl PoolInner {
         // to the arena for nothing (on the random window, flushing both halves here emptied
         // whole caches and kept the pool missing in steady state).
         Counters::bump(&self.counters.ladder_flushes, 1);
-        let half = self.same_half_classes(size);
-        if let Some(a) = self.flush_rounds(size, own, half, |p| p.poll_for(size, st))? {
+        // Near the mapping limit every class goes, largest first: there the other half's
+        // blocks are what keeps pages from falling free and extents from coalescing (a
+        // stress run at its limit ran out of memory about one time in ten flushing only the
+        // request's half).
+        let classes = if self.near_limit() { 0..self.hot.classes } else { self.same_half_classes(size) };
+        if let Some(a) = self.flush_rounds(size, own, classes, |p| p.poll_for(size, st))? {
             return Ok(a);
         }
         // Mapping past the pool's peak would raise the peak: the other half's cached blocks
@@ -494,7 +497,7 @@ impl PoolInner {
         // live, with it 1.089. It costs the random window churn the request's half alone
         // does not (simulated device, 5M pairs from a cold pool: 10–17k misses against 2k),
         // but in steady state both miss a few dozen times in 5M.
-        if self.config.trade_pages_on_map && self.past_peak(size) > 0 {
+        if self.config.trade_pages_on_map && self.past_peak(size) > 0 && !self.near_limit() {
             let other = self.other_half_classes(size);
             let traded = self.flush_rounds(size, own, other, |p| match p.poll_for(size, st)? {
                 Some(a) => Ok(Some(a)),
@@ -876,6 +879,11 @@ impl PoolInner {
             target = target.saturating_mul(2);
         }
         Ok(None)
+    }
+
+    /// Whether the pool has mapped more than seven eighths of what it may.
+    pub(crate) fn near_limit(&self) -> bool {
+        self.pages.mapped_bytes() > self.max_reserved - self.max_reserved / 8
     }
 
     /// Bytes by which mapping `size` more bytes would take the pool past its peak.
