@@ -410,22 +410,21 @@ impl CacheShared {
         // SAFETY: the caller holds the handshake.
         let mags = unsafe { self.mags() };
         let end = mags.classes.len().min(class + 1 + within);
-        // The loaded magazines first, by their counts alone (no magazine opened): a tight
-        // scan, since on random sizes about half the allocations come here. Then the
-        // previous ones (which no hot entry describes).
+        // The smallest larger class that holds a block (the least capacity held for
+        // nothing; on an H200 taking any class's loaded magazine first raised the random
+        // window's misses from 0.09% to 0.15%): its loaded magazine by the count alone (no
+        // magazine opened), else its previous one (which no hot entry describes).
         for c in class + 1..end {
             let h = &mut mags.hot[c];
-            if h.len > 0 {
+            let a = if h.len > 0 {
                 h.len -= 1;
                 // SAFETY: as in `pop`: `h` names class `c`'s loaded magazine, which held
                 // `len + 1` blocks.
-                let a = unsafe { *h.slots.add(h.len as usize) };
-                self.count_hit(class_size(c));
-                return Some((a, c));
-            }
-        }
-        for c in class + 1..end {
-            if let Some(a) = mags.classes[c].as_mut().and_then(|cm| cm.prev.pop()) {
+                Some(unsafe { *h.slots.add(h.len as usize) })
+            } else {
+                mags.classes[c].as_mut().and_then(|cm| cm.prev.pop())
+            };
+            if let Some(a) = a {
                 self.count_hit(class_size(c));
                 return Some((a, c));
             }
