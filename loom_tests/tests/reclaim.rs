@@ -7,7 +7,7 @@
 //! `RUSTFLAGS="--cfg loom --cfg crossbeam_loom" LOOM_MAX_PREEMPTIONS=2 cargo test -p loom_tests --release --test reclaim`
 #![cfg(loom)]
 
-use crossbeam_epoch::Collector;
+use crossbeam_epoch::{Collector, LocalHandle};
 use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::sync::Arc;
 use loom::thread;
@@ -41,6 +41,21 @@ fn a_free_racing_a_batch_close_is_neither_lost_nor_duplicated() {
     });
 }
 
+/// One poll that fails if it releases a span while the "GPU" still uses it; returns the
+/// spans released.
+fn poll_checked(r: &StreamRetire<Arc<AtomicBool>>, in_use: &AtomicBool, h: &LocalHandle) -> usize {
+    let mut n = 0;
+    r.poll(
+        |e| e.load(Ordering::Acquire),
+        |_| {
+            assert!(!in_use.load(Ordering::Relaxed), "released while the GPU used it");
+            n += 1;
+        },
+        &h.pin(),
+    );
+    n
+}
+
 /// The retire/event handoff: a poller never releases a batch before its event completes,
 /// two pollers racing release each batch exactly once, and once the event is complete a
 /// final poll releases everything.
@@ -67,30 +82,10 @@ fn a_batch_is_released_once_and_only_after_its_event_completes() {
         };
         let poller = {
             let (r, c, in_use) = (r.clone(), collector.clone(), in_use.clone());
-            thread::spawn(move || {
-                let h = c.register();
-                let mut n = 0;
-                r.poll(
-                    |e| e.load(Ordering::Acquire),
-                    |_| {
-                        assert!(!in_use.load(Ordering::Relaxed), "released while the GPU used it");
-                        n += 1;
-                    },
-                    &h.pin(),
-                );
-                n
-            })
+            thread::spawn(move || poll_checked(&r, &in_use, &c.register()))
         };
         let h = collector.register();
-        let mut n = 0;
-        r.poll(
-            |e| e.load(Ordering::Acquire),
-            |_| {
-                assert!(!in_use.load(Ordering::Relaxed), "released while the GPU used it");
-                n += 1;
-            },
-            &h.pin(),
-        );
+        let mut n = poll_checked(&r, &in_use, &h);
         gpu.join().unwrap();
         n += poller.join().unwrap();
         r.poll(|e| e.load(Ordering::Acquire), |_| n += 1, &h.pin());

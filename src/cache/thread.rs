@@ -97,6 +97,31 @@ struct Hot {
 
 impl Hot {
     const EMPTY: Hot = Hot { slots: std::ptr::NonNull::dangling().as_ptr(), len: 0, cap: 0 };
+
+    /// The loaded magazine's most recent block, if it holds one.
+    #[inline(always)]
+    fn take(&mut self) -> Option<u64> {
+        if self.len == 0 {
+            return None;
+        }
+        self.len -= 1;
+        // SAFETY: the entry names its class's loaded magazine (the `Mags` invariant), which
+        // held `len + 1 <= MAG_CAP` blocks in its first slots.
+        Some(unsafe { *self.slots.add(self.len as usize) })
+    }
+
+    /// Put a block in the loaded magazine, if it has room.
+    #[inline(always)]
+    fn put(&mut self, addr: u64) -> bool {
+        if self.len >= self.cap {
+            return false;
+        }
+        // SAFETY: the entry names its class's loaded magazine (the `Mags` invariant), whose
+        // `cap <= MAG_CAP` slots exist; `len < cap`.
+        unsafe { *self.slots.add(self.len as usize) = addr };
+        self.len += 1;
+        true
+    }
 }
 
 /// Hot entries: one per possible class index below 256, so the hit paths index them with a
@@ -311,14 +336,7 @@ impl CacheShared {
     #[inline(always)]
     pub unsafe fn pop(&self, class: usize, size: u64) -> Option<u64> {
         // SAFETY: the caller holds the handshake.
-        let h = &mut unsafe { self.mags() }.hot[hot_index(class) as usize];
-        if h.len == 0 {
-            return None;
-        }
-        h.len -= 1;
-        // SAFETY: `h` names the loaded magazine of `class` (the `Mags` invariant), which
-        // holds `len + 1 <= MAG_CAP` blocks in its first slots.
-        let a = unsafe { *h.slots.add(h.len as usize) };
+        let a = unsafe { self.mags() }.hot[hot_index(class) as usize].take()?;
         self.count_hit(size);
         Some(a)
     }
@@ -330,7 +348,12 @@ impl CacheShared {
     /// The caller has entered (and not yet exited).
     pub unsafe fn pop_prev(&self, class: usize, size: u64) -> Option<u64> {
         // SAFETY: the caller holds the handshake.
-        let mags = unsafe { self.mags() };
+        self.swap_in_prev(unsafe { self.mags() }, class, size)
+    }
+
+    /// The previous magazine of `class` loaded in place of the empty loaded one, and a
+    /// block from it; None (nothing opened) if it is empty too.
+    fn swap_in_prev(&self, mags: &mut Mags, class: usize, size: u64) -> Option<u64> {
         // The previous magazine is not described by the hot entry: look before opening.
         if mags.classes.get(class)?.as_ref()?.prev.is_empty() {
             return None;
@@ -351,37 +374,29 @@ impl CacheShared {
     #[cold]
     #[inline(never)]
     pub unsafe fn pop_slow(&self, slot: Slot, depot: &Depot, guard: impl FnOnce() -> Guard) -> Option<u64> {
+        let Slot { class, size, cap } = slot;
         // SAFETY: the caller holds the handshake.
         let mags = unsafe { self.mags() };
-        let a = self.pop_slow_in(mags, slot, depot, guard);
-        mags.close(slot.class);
-        a
-    }
-
-    fn pop_slow_in(&self, mags: &mut Mags, slot: Slot, depot: &Depot, guard: impl FnOnce() -> Guard) -> Option<u64> {
-        let Slot { class, size, cap } = slot;
-        let c = &self.counters;
         if class >= mags.classes.len() {
             return None;
         }
-        if let Some(cm) = mags.open(class) {
-            if !cm.prev.is_empty() {
-                std::mem::swap(&mut cm.loaded, &mut cm.prev);
-                let a = cm.loaded.pop();
-                self.count_hit(size);
-                return a;
-            }
+        if let Some(a) = self.swap_in_prev(mags, class, size) {
+            return Some(a);
         }
         // Both empty: the loaded one goes to the depot's empties and a full one is loaded.
         let g = guard();
         let full = depot.take_full(&g)?;
-        // The class exists (checked above), so this makes its magazines if need be.
+        // The class exists (checked above), so this makes its magazines if need be. Opened
+        // here and closed below: a class closed without being opened would reload its hot
+        // entry from the loaded magazine's stale count.
         let cm = mags.open_or_make(class, cap)?;
         let empty = std::mem::replace(&mut cm.loaded, full);
         depot.put_empty(empty, &g);
+        let c = &self.counters;
         // The magazine's blocks moved from the depot into this cache.
         bump(&c.cached_bytes, cm.loaded.len() as u64 * size);
         let a = cm.loaded.pop();
+        mags.close(class);
         bump(&c.t1_hits, 1);
         drop_by(&c.cached_bytes, size);
         a
@@ -415,15 +430,7 @@ impl CacheShared {
         // window's misses from 0.09% to 0.15%): its loaded magazine by the count alone (no
         // magazine opened), else its previous one (which no hot entry describes).
         for c in class + 1..end {
-            let h = &mut mags.hot[c];
-            let a = if h.len > 0 {
-                h.len -= 1;
-                // SAFETY: as in `pop`: `h` names class `c`'s loaded magazine, which held
-                // `len + 1` blocks.
-                Some(unsafe { *h.slots.add(h.len as usize) })
-            } else {
-                mags.classes[c].as_mut().and_then(|cm| cm.prev.pop())
-            };
+            let a = mags.hot[c].take().or_else(|| mags.classes[c].as_mut().and_then(|cm| cm.prev.pop()));
             if let Some(a) = a {
                 self.count_hit(class_size(c));
                 return Some((a, c));
@@ -447,14 +454,9 @@ impl CacheShared {
             return false;
         }
         // SAFETY: the caller holds the handshake.
-        let h = &mut unsafe { self.mags() }.hot[hot_index(slot.class) as usize];
-        if h.len >= h.cap {
+        if !unsafe { self.mags() }.hot[hot_index(slot.class) as usize].put(addr) {
             return false;
         }
-        // SAFETY: `h` names the loaded magazine of the class (the `Mags` invariant), whose
-        // `cap <= MAG_CAP` slots exist; `len < cap`.
-        unsafe { *h.slots.add(h.len as usize) = addr };
-        h.len += 1;
         c.cached_bytes.store(cached + slot.size, Ordering::Relaxed);
         bump(&c.frees, 1);
         true
@@ -698,6 +700,25 @@ mod tests {
         }
         c.exit();
         assert_eq!(c.counters.t0_hits.load(Ordering::Relaxed), 1);
+        assert_eq!(c.counters.cached_bytes.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn a_slow_pop_that_finds_nothing_hands_out_nothing_twice() {
+        let c = CacheShared::new(1);
+        let d = Depot::new(1);
+        let slot = Slot { class: 0, size: SIZE, cap: 8 };
+        assert!(c.enter());
+        // SAFETY: entered.
+        unsafe {
+            // The slow path makes the class's magazines; the hit path then takes the block,
+            // which leaves the loaded magazine's own count stale (the hot entry's is 0).
+            assert_eq!(c.push_slow(slot, 0x100, u64::MAX, &d, pin), Spill::None);
+            assert_eq!(c.pop(0, SIZE), Some(0x100));
+            assert_eq!(c.pop_slow(slot, &d, pin), None, "nothing in the previous magazine or the depot");
+            assert_eq!(c.pop(0, SIZE), None, "the block already handed out is not handed out again");
+        }
+        c.exit();
         assert_eq!(c.counters.cached_bytes.load(Ordering::Relaxed), 0);
     }
 

@@ -162,7 +162,9 @@ impl Block {
         }
         let pool = self.pool;
         let used = self.used_on.get();
-        if self.class() != NO_CLASS && used.is_null() && local::free_slow(pool, self) {
+        // A block used on other streams has no class (`record_stream` clears it).
+        debug_assert!(used.is_null() || self.class() == NO_CLASS);
+        if self.class() != NO_CLASS && local::free_slow(pool, self) {
             return;
         }
         let used_on = if used.is_null() {

@@ -51,8 +51,6 @@ pub(crate) struct ThreadCache {
     stream_id: StreamId,
     pub(crate) shared: Arc<CacheShared>,
     pub(crate) pool: Arc<PoolInner>,
-    /// `pool` as the raw pointer every block carries.
-    pool_ptr: NonNull<PoolInner>,
     pub(crate) stream: Arc<StreamState>,
 }
 
@@ -80,12 +78,10 @@ impl ThreadCache {
     #[cold]
     #[inline(never)]
     pub(crate) fn alloc_cold(&self, bytes: usize, class: Option<usize>) -> Result<Block> {
-        if bytes == 0 {
-            return Ok(Block::empty(self.stream_id));
-        }
         let pool = &*self.pool;
         let class = match class {
             Some(c) if c < pool.hot.classes => c,
+            // A zero-byte request has no class: `alloc_uncached` gives it an empty block.
             _ => return self.pool.alloc_uncached(bytes, &self.stream, Some(self)),
         };
         let size = class::size_of_class(class);
@@ -148,7 +144,12 @@ impl ThreadCache {
             // The budget could not cover the whole magazine: give the excess back.
             // SAFETY: still entered.
             unsafe {
-                self.shared.drain_some(over, 0..class::MAX_CLASSES, |cl, a| spilled.push((cl, a)), class::size_of_class)
+                self.shared.drain_some(
+                    over,
+                    0..self.pool.hot.classes,
+                    |cl, a| spilled.push((cl, a)),
+                    class::size_of_class,
+                )
             };
         }
         self.shrink_budget();
@@ -203,7 +204,7 @@ impl ThreadCache {
             len,
             size_class: Block::size_class_of(size, class as u64),
             stream: self.stream_id,
-            pool: self.pool_ptr,
+            pool: NonNull::from(&*self.pool),
             used_on: Cell::new(std::ptr::null_mut()),
         }
     }
@@ -363,9 +364,15 @@ impl Memo {
         }
     }
 
+    /// Whether the memo names (`pool`, `stream`).
+    #[inline(always)]
+    fn names(&self, pool: *const PoolInner, stream: StreamId) -> bool {
+        self.pool.get() == pool && self.stream.get() == stream
+    }
+
     #[inline(always)]
     fn find(&self, pool: *const PoolInner, stream: StreamId) -> Option<&ThreadCache> {
-        if self.pool.get() == pool && self.stream.get() == stream {
+        if self.names(pool, stream) {
             // SAFETY: the memo names a cache held by a live entry (see the type's docs).
             Some(unsafe { &*self.tc.get() })
         } else {
@@ -376,7 +383,7 @@ impl Memo {
     /// The memo's cache's shared part, if the memo names (`pool`, `stream`).
     #[inline(always)]
     fn find_shared(&self, pool: *const PoolInner, stream: StreamId) -> Option<&CacheShared> {
-        if self.pool.get() == pool && self.stream.get() == stream {
+        if self.names(pool, stream) {
             // SAFETY: the memo names a cache held by a live entry (see the type's docs),
             // which holds its shared part.
             Some(unsafe { &*self.shared.get() })
@@ -432,7 +439,6 @@ pub(crate) fn cache_for(pool: &Arc<PoolInner>, stream: &Arc<StreamState>) -> Opt
                 stream_id: id,
                 shared: pool.register_cache(stream),
                 pool: Arc::clone(pool),
-                pool_ptr: NonNull::from(&**pool),
                 stream: Arc::clone(stream),
             });
             l.entries.borrow_mut().push(Entry { pool: p, stream: id, tc: Rc::clone(&tc) });
@@ -474,31 +480,34 @@ pub(crate) fn alloc(pool: &Arc<PoolInner>, stream: &Stream, bytes: usize) -> Res
 #[cold]
 #[inline(never)]
 fn alloc_slow(pool: &Arc<PoolInner>, stream: &Stream, bytes: usize, class: Option<usize>) -> Result<Block> {
-    let p = Arc::as_ptr(pool);
-    let tc = match MEMO.try_with(|m| m.find(p, stream.id()).map(|tc| tc as *const ThreadCache)) {
-        Ok(Some(tc)) => Some(tc),
-        _ => find_cold(pool, stream),
-    };
-    match tc {
-        // SAFETY: `tc` names a cache a live entry of this thread holds (the memo's, or the
-        // one `find_cold` found or made and remembered), and nothing the allocation reaches
-        // removes entries (see `Memo`).
+    match find(pool, stream.id(), || pool.stream_state(stream).ok()) {
+        // SAFETY: `find` names a cache a live entry of this thread holds, and nothing the
+        // allocation reaches removes entries (see `Memo`).
         Some(tc) => unsafe { &*tc }.alloc_cold(bytes, class),
         None => pool.alloc_uncached(bytes, &pool.stream_state(stream)?, None),
     }
 }
 
-/// The memo missed: this thread's cache for (`pool`, `stream`), found or made, and
-/// remembered. None where this thread can have no cache.
+/// This thread's cache for (`pool`, `stream`): the memo's, else found among the entries or
+/// made for `state()` (the stream's state, if it may still get a cache), and remembered.
+/// None where this thread can have no cache (thread-locals gone, inside a host function,
+/// no such stream).
 #[cold]
 #[inline(never)]
-fn find_cold(pool: &Arc<PoolInner>, stream: &Stream) -> Option<*const ThreadCache> {
+fn find(
+    pool: &Arc<PoolInner>,
+    stream: StreamId,
+    state: impl FnOnce() -> Option<Arc<StreamState>>,
+) -> Option<*const ThreadCache> {
     let p = Arc::as_ptr(pool);
-    let tc = match LOCAL.try_with(|l| l.find_rc(p, stream.id())).ok()? {
+    if let Ok(Some(tc)) = MEMO.try_with(|m| m.find(p, stream).map(|tc| tc as *const ThreadCache)) {
+        return Some(tc);
+    }
+    let tc = match LOCAL.try_with(|l| l.find_rc(p, stream)).ok()? {
         Some(tc) => tc,
-        None => cache_for(pool, &pool.stream_state(stream).ok()?)?,
+        None => cache_for(pool, &state()?)?,
     };
-    MEMO.try_with(|m| m.remember(p, stream.id(), Rc::as_ptr(&tc))).ok()?;
+    MEMO.try_with(|m| m.remember(p, stream, Rc::as_ptr(&tc))).ok()?;
     // The entry holds the cache on: the pointer outlives this `Rc`.
     Some(Rc::as_ptr(&tc))
 }
@@ -524,20 +533,11 @@ pub(crate) fn try_free_fast(pool: NonNull<PoolInner>, block: &Block) -> bool {
 pub(crate) fn free_slow(pool: NonNull<PoolInner>, block: &Block) -> bool {
     debug_assert!(block.class() != NO_CLASS);
     let p = pool.as_ptr() as *const PoolInner;
-    let memo =
-        MEMO.try_with(|m| m.find(p, block.stream).map(|tc| tc.free(block.class() as usize, block.size(), block.addr)));
-    if let Ok(Some(())) = memo {
+    // The memo's cache (its magazine was full, or a thief held it): no pool count to take.
+    if let Ok(Some(())) =
+        MEMO.try_with(|m| m.find(p, block.stream).map(|tc| tc.free(block.class() as usize, block.size(), block.addr)))
+    {
         return true;
-    }
-    if let Ok(Some(tc)) = LOCAL.try_with(|l| l.find_rc(p, block.stream)) {
-        if MEMO.try_with(|m| m.remember(p, block.stream, Rc::as_ptr(&tc))).is_err() {
-            return false;
-        }
-        tc.free(block.class() as usize, block.size(), block.addr);
-        return true;
-    }
-    if LOCAL.try_with(|_| ()).is_err() {
-        return false;
     }
     // SAFETY: the pool's state outlives every block (see `Pool`'s drop), so a strong count
     // is held by someone: taking one more is sound.
@@ -545,13 +545,11 @@ pub(crate) fn free_slow(pool: NonNull<PoolInner>, block: &Block) -> bool {
         Arc::increment_strong_count(p);
         Arc::from_raw(p)
     };
-    let Some(st) = arc.state_by_id(block.stream) else { return false };
-    if st.destroyed.load(crate::sync::atomic::Ordering::Acquire) {
-        return false;
-    }
-    match cache_for(&arc, &st) {
+    let state = || arc.state_by_id(block.stream).filter(|st| !st.destroyed.load(Ordering::Acquire));
+    match find(&arc, block.stream, state) {
         Some(tc) => {
-            tc.free(block.class() as usize, block.size(), block.addr);
+            // SAFETY: as in `alloc_slow`.
+            unsafe { &*tc }.free(block.class() as usize, block.size(), block.addr);
             true
         }
         None => false,

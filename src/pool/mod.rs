@@ -486,7 +486,8 @@ impl PoolInner {
         // blocks are what keeps pages from falling free and extents from coalescing (a
         // stress run at its limit ran out of memory about one time in ten flushing only the
         // request's half).
-        let classes = if self.near_limit() { 0..self.hot.classes } else { self.same_half_classes(size) };
+        let near_limit = self.near_limit();
+        let classes = if near_limit { self.all_classes() } else { self.same_half_classes(size) };
         if let Some(a) = self.flush_rounds(size, own, classes, |p| p.poll_for(size, st))? {
             return Ok(a);
         }
@@ -497,7 +498,7 @@ impl PoolInner {
         // live, with it 1.089. It costs the random window churn the request's half alone
         // does not (simulated device, 5M pairs from a cold pool: 10–17k misses against 2k),
         // but in steady state both miss a few dozen times in 5M.
-        if self.config.trade_pages_on_map && self.past_peak(size) > 0 && !self.near_limit() {
+        if self.config.trade_pages_on_map && self.past_peak(size) > 0 && !near_limit {
             let other = self.other_half_classes(size);
             let traded = self.flush_rounds(size, own, other, |p| match p.poll_for(size, st)? {
                 Some(a) => Ok(Some(a)),
@@ -519,11 +520,12 @@ impl PoolInner {
         // alone did not make room, and a page of the other half that falls wholly free can
         // be unmapped and its budget mapped where the request fits. Then their batches
         // retire like any other.
-        let stolen = self.steal_idle_caches();
-        if stolen > 0 {
+        let stolen = self.steal_idle_caches() > 0;
+        if stolen {
             Counters::bump(&self.counters.ladder_steals, 1);
         }
-        if stolen + self.flush_depots(u64::MAX, 0..class::MAX_CLASSES) > 0 {
+        let flushed = self.flush_depots(u64::MAX, self.all_classes()) > 0;
+        if stolen || flushed {
             if let Some(a) = self.wait_and_retry(size)? {
                 return Ok(a);
             }
@@ -720,7 +722,7 @@ impl PoolInner {
         let Some(st) = self.streams.load().get(&id).cloned() else { return };
         let guard = epoch::pin();
         // Before the flag: the depots' blocks join the open batch that the final event closes.
-        self.flush_stream_depots(&st, u64::MAX, 0..class::MAX_CLASSES, &guard);
+        self.flush_stream_depots(&st, u64::MAX, self.all_classes(), &guard);
         st.destroyed.store(true, Ordering::Release);
         let _ = self.close_one(&st, &guard);
         if !st.retire.has_pending(&guard) {
@@ -900,6 +902,11 @@ impl PoolInner {
             return Ok(None);
         }
         self.try_map(size)
+    }
+
+    /// Every cached class.
+    fn all_classes(&self) -> std::ops::Range<usize> {
+        0..self.hot.classes
     }
 
     /// The cached classes of the other half of the range than a block of `size` bytes.
@@ -1115,7 +1122,7 @@ impl PoolInner {
     fn trim(&self) -> Result<()> {
         local::flush(self);
         self.steal_idle_caches();
-        self.flush_depots(u64::MAX, 0..class::MAX_CLASSES);
+        self.flush_depots(u64::MAX, self.all_classes());
         self.drain_deferred();
         self.close_all();
         loop {
