@@ -38,9 +38,14 @@ fn span(addr: u64) -> Span {
     Span { addr, size: SIZE }
 }
 
-/// An allocation as `ThreadCache::try_hit` makes it: the loaded magazine, else the previous
-/// one or a full magazine from the depot. One operation: enter, pop, exit.
+/// An allocation as `ThreadCache::alloc` makes it: the hit path (the loaded magazine), else
+/// once any thief is gone the loaded magazine again, the previous one or a full magazine
+/// from the depot.
 fn alloc(cs: &CacheShared, s: Slot, depot: &Depot, h: &LocalHandle) -> Option<u64> {
+    if let Some(hit) = cs.try_pop_fast(0, SIZE) {
+        assert_eq!((hit.class, hit.size), (0, SIZE), "the only class's block");
+        return Some(hit.addr);
+    }
     cs.enter_wait();
     // SAFETY: entered above; class 0 exists.
     let got = unsafe { cs.pop(0, SIZE).or_else(|| cs.pop_slow(s, depot, || h.pin())) };
@@ -74,6 +79,8 @@ fn cache_contents(cs: &CacheShared) -> Vec<u64> {
     let mut v = Vec::new();
     // SAFETY: quiet: every other thread has joined (or, in the exit model, let go).
     unsafe { cs.for_each_block(|_, a| v.push(a)) };
+    // SAFETY: as above.
+    unsafe { cs.check_hot_entries() }.expect("the hit path's summary agrees with the magazines");
     assert_eq!(
         cs.counters.cached_bytes.load(Ordering::Relaxed),
         v.len() as u64 * SIZE,

@@ -21,9 +21,11 @@ use crate::error::Result;
 use crate::sync::atomic::Ordering;
 use crate::sync::epoch;
 
-/// On a miss, a block of up to this many classes larger (two doublings: at most four times
-/// the size) that the cache already holds is used instead of new memory: the random sizes
-/// of a serving workload hit far more often so. On the random window (simulated device,
+/// When a class's loaded magazine is empty, a block of up to this many classes larger (two
+/// doublings: at most four times the size) that the cache already holds is used instead:
+/// first on the hit path, from the larger classes' loaded magazines; on the slow path, after
+/// the class's previous magazine and its depot, from their previous magazines; only then
+/// new memory. The random sizes of a serving workload hit far more often so. On the random window (simulated device,
 /// 5M pairs from a cold pool) one doubling took 50–110k misses, 2.7–4.8k ladder flushes and
 /// 1.0–1.4k maps; two doublings 12–17k, 0.7–1.1k and 270–320, and the shared traces' peak
 /// reserved ÷ peak live stayed at most 1.089.
@@ -40,6 +42,9 @@ const BORROW_CLASSES_NEAR_LIMIT: usize = 8;
 /// doubling tripled the random window's misses on an H200).
 const BORROW_CLASSES_LARGE: usize = 6;
 
+// The hit path looks at most this far up.
+const _: () = assert!(BORROW_CLASSES <= crate::cache::thread::REACH_MAX);
+
 /// The unit in which thread caches reserve cache budget.
 fn budget_chunk(config: &super::PoolConfig) -> u64 {
     (config.thread_cache_bytes / 8).clamp(1 << 20, 16 << 20)
@@ -52,11 +57,48 @@ pub(crate) struct ThreadCache {
     pub(crate) shared: Arc<CacheShared>,
     pub(crate) pool: Arc<PoolInner>,
     pub(crate) stream: Arc<StreamState>,
+    /// Whether the cache's reach (see [`ThreadCache::within`]) was last set for a pool near
+    /// its mapping limit.
+    near: Cell<bool>,
 }
 
 impl ThreadCache {
-    /// The hit path: a block from the loaded magazine, built in place in the caller's
-    /// result; anything else (a thief, an empty magazine, a zero-byte or uncached size) is
+    /// A cache for (`pool`, `stream`), registered, with its reach set.
+    fn new(pool: &Arc<PoolInner>, stream: &Arc<StreamState>) -> ThreadCache {
+        let tc = ThreadCache {
+            stream_id: stream.stream.id(),
+            shared: pool.register_cache(stream),
+            pool: Arc::clone(pool),
+            stream: Arc::clone(stream),
+            near: Cell::new(pool.near_limit()),
+        };
+        tc.set_reach();
+        tc
+    }
+
+    /// How many classes larger than `class` an allocation of it may borrow from.
+    fn within(&self, class: usize, near_limit: bool) -> usize {
+        if class::size_of_class(class) >= self.pool.config.large_block_threshold {
+            BORROW_CLASSES_LARGE
+        } else if near_limit {
+            BORROW_CLASSES_NEAR_LIMIT
+        } else {
+            BORROW_CLASSES
+        }
+    }
+
+    /// Write every class's reach into the cache for its hit path, for the pool's state now.
+    fn set_reach(&self) {
+        let near = self.near.get();
+        self.shared.enter_wait();
+        // SAFETY: entered above.
+        unsafe { self.shared.set_reach(|c| self.within(c, near)) };
+        self.shared.exit();
+    }
+
+    /// The hit path: a block from the loaded magazine of the class or, when that is empty,
+    /// of the smallest larger class within reach that holds one, built in place in the
+    /// caller's result; anything else (a thief, empty magazines, a zero-byte or uncached size) is
     /// [`ThreadCache::alloc_cold`], which writes the same result slot, so a hit never
     /// copies a block through a second slot.
     #[inline(always)]
@@ -64,9 +106,8 @@ impl ThreadCache {
         // A class past the pool's cached ones has no magazines, so it misses here.
         let class = class::class_of(bytes as u64);
         if let Some(class) = class {
-            let size = class::size_of_class(class);
-            if let Some(a) = self.shared.try_pop_fast(class, size) {
-                return Ok(self.block(a, bytes, size, class));
+            if let Some(hit) = self.shared.try_pop_fast(class, class::size_of_class(class)) {
+                return Ok(self.block(hit.addr, bytes, hit.size, hit.class));
             }
         }
         self.alloc_cold(bytes, class)
@@ -79,13 +120,18 @@ impl ThreadCache {
     #[inline(never)]
     pub(crate) fn alloc_cold(&self, bytes: usize, class: Option<usize>) -> Result<Block> {
         let pool = &*self.pool;
+        let near = pool.near_limit();
+        if near != self.near.get() {
+            self.near.set(near);
+            self.set_reach();
+        }
         let class = match class {
             Some(c) if c < pool.hot.classes => c,
             // A zero-byte request has no class: `alloc_uncached` gives it an empty block.
             _ => return self.pool.alloc_uncached(bytes, &self.stream, Some(self)),
         };
         let size = class::size_of_class(class);
-        if let Some((a, c)) = self.take_cached(class, size) {
+        if let Some((a, c)) = self.take_cached(class, size, near) {
             return Ok(self.block(a, bytes, class::size_of_class(c), c));
         }
         let addr = pool.alloc_miss(size, bytes, &self.stream, Some(self))?;
@@ -97,11 +143,10 @@ impl ThreadCache {
     /// of a larger class this cache holds. No device call, no ladder, nothing that could
     /// remove a thread-local entry. `class` is one of the pool's cached classes.
     ///
-    /// On the random window about half the allocations come here: a block borrowed from a
-    /// larger class goes back to that class when freed, so small classes run empty and
-    /// borrow again. So this path is kept cheap: one handshake, the depot (an epoch pin)
-    /// only when it holds a magazine, the borrow a scan of loaded-magazine counts.
-    fn take_cached(&self, class: usize, size: u64) -> Option<(u64, usize)> {
+    /// The hit path has already looked at the loaded magazines within reach; a previous
+    /// magazine (of the class or a larger one) and the depot are left. One handshake; the
+    /// depot (an epoch pin) only when it holds a magazine.
+    fn take_cached(&self, class: usize, size: u64, near_limit: bool) -> Option<(u64, usize)> {
         self.shared.enter_wait();
         // SAFETY: entered above (for both calls).
         if let Some(a) = unsafe { self.shared.pop(class, size).or_else(|| self.shared.pop_prev(class, size)) } {
@@ -115,13 +160,7 @@ impl ThreadCache {
             }
             self.shared.enter_wait();
         }
-        let within = if size >= self.pool.config.large_block_threshold {
-            BORROW_CLASSES_LARGE
-        } else if self.pool.near_limit() {
-            BORROW_CLASSES_NEAR_LIMIT
-        } else {
-            BORROW_CLASSES
-        };
+        let within = self.within(class, near_limit);
         // SAFETY: entered (above, or again after the refill exited).
         let larger = unsafe { self.shared.pop_larger(class, within, class::size_of_class) };
         self.shared.exit();
@@ -435,12 +474,7 @@ pub(crate) fn cache_for(pool: &Arc<PoolInner>, stream: &Arc<StreamState>) -> Opt
             if let Some(tc) = l.find_rc(p, id) {
                 return tc;
             }
-            let tc = Rc::new(ThreadCache {
-                stream_id: id,
-                shared: pool.register_cache(stream),
-                pool: Arc::clone(pool),
-                stream: Arc::clone(stream),
-            });
+            let tc = Rc::new(ThreadCache::new(pool, stream));
             l.entries.borrow_mut().push(Entry { pool: p, stream: id, tc: Rc::clone(&tc) });
             tc
         })
@@ -467,9 +501,8 @@ pub(crate) fn alloc(pool: &Arc<PoolInner>, stream: &Stream, bytes: usize) -> Res
         if let Ok(Some(tc)) = MEMO.try_with(|m| m.find(p, stream.id()).map(|tc| tc as *const ThreadCache)) {
             // SAFETY: the memo names a cache a live entry of this thread holds (see `Memo`).
             let tc = unsafe { &*tc };
-            let size = class::size_of_class(class);
-            if let Some(a) = tc.shared.try_pop_fast(class, size) {
-                return Ok(tc.block(a, bytes, size, class));
+            if let Some(hit) = tc.shared.try_pop_fast(class, class::size_of_class(class)) {
+                return Ok(tc.block(hit.addr, bytes, hit.size, hit.class));
             }
         }
     }

@@ -1254,9 +1254,11 @@ impl PoolInner {
         let mut thread_walked = 0;
         for (cs, _) in self.caches.load().iter() {
             let mut mine = 0;
+            let mut entries = Ok(());
             let walked = cs.try_steal(|c| {
                 // SAFETY: try_steal holds the handshake while this runs.
                 unsafe {
+                    entries = c.check_hot_entries();
                     c.for_each_block(|class, a| {
                         let s = class::size_of_class(class);
                         mine += s;
@@ -1269,6 +1271,7 @@ impl PoolInner {
                 // be exact. Check only what does not move.
                 return Ok(());
             }
+            entries.or_else(|why| broken(format!("a thread cache's hot entries are wrong: {why}")))?;
             thread_walked += mine;
         }
         let mut depot_walked = 0;
