@@ -50,6 +50,20 @@ fn budget_chunk(config: &super::PoolConfig) -> u64 {
     (config.thread_cache_bytes / 8).clamp(1 << 20, 16 << 20)
 }
 
+/// A block of `class` (`size` bytes) at `addr`, asked for as `len` bytes, from a cache of
+/// `pool` for `stream`.
+#[inline(always)]
+fn cached_block(pool: NonNull<PoolInner>, stream: StreamId, addr: u64, len: usize, size: u64, class: usize) -> Block {
+    Block {
+        addr,
+        len,
+        size_class: Block::size_class_of(size, class as u64),
+        stream,
+        pool,
+        used_on: Cell::new(std::ptr::null_mut()),
+    }
+}
+
 /// One thread's cache for one (pool, stream).
 pub(crate) struct ThreadCache {
     /// The stream's id, copied here so the hot path never reads the shared stream state.
@@ -238,14 +252,7 @@ impl ThreadCache {
 
     #[inline(always)]
     pub(crate) fn block(&self, addr: u64, len: usize, size: u64, class: usize) -> Block {
-        Block {
-            addr,
-            len,
-            size_class: Block::size_class_of(size, class as u64),
-            stream: self.stream_id,
-            pool: NonNull::from(&*self.pool),
-            used_on: Cell::new(std::ptr::null_mut()),
-        }
+        cached_block(NonNull::from(&*self.pool), self.stream_id, addr, len, size, class)
     }
 
     /// Free through the whole path: the hit path if it takes the block, else waiting out
@@ -495,14 +502,17 @@ pub(crate) fn stream_cache(pool: &Arc<PoolInner>, stream: &Arc<StreamState>) -> 
 /// slot.
 #[inline(always)]
 pub(crate) fn alloc(pool: &Arc<PoolInner>, stream: &Stream, bytes: usize) -> Result<Block> {
-    let p = Arc::as_ptr(pool);
+    let (p, id) = (Arc::as_ptr(pool), stream.id());
     let class = class::class_of(bytes as u64);
     if let Some(class) = class {
-        if let Ok(Some(tc)) = MEMO.try_with(|m| m.find(p, stream.id()).map(|tc| tc as *const ThreadCache)) {
-            // SAFETY: the memo names a cache a live entry of this thread holds (see `Memo`).
-            let tc = unsafe { &*tc };
-            if let Some(hit) = tc.shared.try_pop_fast(class, class::size_of_class(class)) {
-                return Ok(tc.block(hit.addr, bytes, hit.size, hit.class));
+        // The cache's shared part straight from the memo: the hit needs nothing else of the
+        // cache (one dependent load fewer before it can start).
+        if let Ok(Some(shared)) = MEMO.try_with(|m| m.find_shared(p, id).map(|s| s as *const CacheShared)) {
+            // SAFETY: the memo names a cache a live entry of this thread holds (see `Memo`),
+            // and the hit path removes no entry.
+            let shared = unsafe { &*shared };
+            if let Some(hit) = shared.try_pop_fast(class, class::size_of_class(class)) {
+                return Ok(cached_block(NonNull::from(&**pool), id, hit.addr, bytes, hit.size, hit.class));
             }
         }
     }
