@@ -25,10 +25,10 @@ use crate::sync::epoch;
 /// doublings: at most four times the size) that the cache already holds is used instead:
 /// first on the hit path, from the larger classes' loaded magazines; on the slow path, after
 /// the class's previous magazine and its depot, from their previous magazines; only then
-/// new memory. The random sizes of a serving workload hit far more often so. On the random window (simulated device,
-/// 5M pairs from a cold pool) one doubling took 50–110k misses, 2.7–4.8k ladder flushes and
-/// 1.0–1.4k maps; two doublings 12–17k, 0.7–1.1k and 270–320, and the shared traces' peak
-/// reserved ÷ peak live stayed at most 1.089.
+/// new memory. The random sizes of a serving workload hit far more often so. On the random
+/// window (simulated device, 5M pairs from a cold pool) one doubling took 50–110k misses,
+/// 2.7–4.8k ladder flushes and 1.0–1.4k maps; two doublings 12–17k, 0.7–1.1k and 270–320,
+/// and the shared traces' peak reserved ÷ peak live stayed at most 1.089.
 const BORROW_CLASSES: usize = 16;
 
 /// ... but one doubling once the pool has mapped most of what it may: a borrowed block's
