@@ -156,7 +156,7 @@ fn owner_and_thief_never_hold_the_magazines_together() {
         let stolen = cs.try_steal(|c| {
             let g = h.pin();
             // SAFETY: try_steal holds the handshake while this runs.
-            unsafe { c.drain(&[], false, |_, a| taken.push(a), |_| SIZE, &g) }
+            unsafe { c.drain(&[], false, |_, a| taken.push(a), &g) }
         });
         assert!(stolen || taken.is_empty(), "a refused thief takes nothing");
         for &a in &taken {
@@ -189,7 +189,7 @@ impl Drop for Owner {
         self.cs.enter_wait();
         // SAFETY: entered above.
         unsafe {
-            self.cs.drain(std::slice::from_ref(&*self.depot), true, |_, a| out.push(a), |_| SIZE, &g);
+            self.cs.drain(std::slice::from_ref(&*self.depot), true, |_, a| out.push(a), &g);
         }
         self.cs.exit();
         for a in out {
@@ -249,7 +249,7 @@ fn a_thread_exit_flush_racing_a_trim_loses_and_duplicates_nothing() {
         cs.try_steal(|c| {
             let g = h.pin();
             // SAFETY: try_steal holds the handshake while this runs.
-            unsafe { c.drain(&[], false, |_, a| taken.push(a), |_| SIZE, &g) }
+            unsafe { c.drain(&[], false, |_, a| taken.push(a), &g) }
         });
         for a in taken {
             retire.free(span(a));
@@ -358,7 +358,6 @@ fn an_out_of_memory_flush_racing_allocations_keeps_every_block_once() {
                         tags.removed(x);
                         out.push(x);
                     },
-                    |_| SIZE,
                     &g,
                 )
             }

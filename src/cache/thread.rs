@@ -179,6 +179,13 @@ impl Mags {
             // The caller's size, not the entry's: the same, and often a constant there.
             return Some(Hit { addr, class, size });
         }
+        self.take_larger(c)
+    }
+
+    /// A block of the smallest class within class `c`'s reach whose loaded magazine holds
+    /// one (`c` at most 255).
+    #[inline(always)]
+    fn take_larger(&mut self, c: usize) -> Option<Hit> {
         let fits = self.held_after(c) & self.reach[c];
         if fits == 0 {
             return None;
@@ -566,34 +573,29 @@ impl CacheShared {
         drop_by(&c.cached_bytes, size);
     }
 
-    /// After a miss in `class` and its depot: take a block of one of the next `within`
-    /// larger classes from this cache, if it holds one. The block is used whole (its
-    /// capacity is its own class's size): memory the cache already holds serves the request
-    /// instead of new memory from the arena. Returns the address and the class taken.
+    /// After a miss in `class` and its depot: take a block of a larger class within the
+    /// class's reach (see [`CacheShared::set_reach`]) from this cache, if it holds one: from
+    /// a loaded magazine as the hit path would (it has looked already, unless a thief kept
+    /// it out), else from the smallest such class's previous magazine, which no hot entry
+    /// describes. The block is used whole (its capacity is its own class's size): memory
+    /// the cache already holds serves the request instead of new memory from the arena.
     ///
     /// # Safety
     /// The caller holds the handshake.
-    pub unsafe fn pop_larger(
-        &self,
-        class: usize,
-        within: usize,
-        class_size: impl Fn(usize) -> u64,
-    ) -> Option<(u64, usize)> {
+    pub unsafe fn pop_larger(&self, class: usize) -> Option<Hit> {
         // SAFETY: the caller holds the handshake.
         let mags = unsafe { self.mags() };
-        let end = mags.classes.len().min(class + 1 + within);
-        // The smallest larger class that holds a block (the least capacity held for
-        // nothing; on an H200 taking any class's loaded magazine first raised the random
-        // window's misses from 0.09% to 0.15%): its loaded magazine by the count alone (no
-        // magazine opened), else its previous one (which no hot entry describes).
-        for c in class + 1..end {
-            let a = mags.take(hot_index(c)).or_else(|| mags.classes[c].as_mut().and_then(|cm| cm.prev.pop()));
-            if let Some(a) = a {
-                self.count_hit(class_size(c));
-                return Some((a, c));
-            }
-        }
-        None
+        let c = hot_index(class) as usize;
+        let hit = mags.take_larger(c).or_else(|| {
+            let reach = mags.reach[c];
+            (0..REACH_MAX).filter(|j| reach >> j & 1 == 1).map(|j| c + 1 + j).find_map(|from| {
+                let cm = mags.classes.get_mut(from)?.as_mut()?;
+                let addr = cm.prev.pop()?;
+                Some(Hit { addr, class: from, size: u64::from(cm.size) })
+            })
+        })?;
+        self.count_hit(hit.size);
+        Some(hit)
     }
 
     /// The free path: put a block of `slot`'s class in the loaded magazine. False when
@@ -695,14 +697,7 @@ impl CacheShared {
     ///
     /// # Safety
     /// The caller holds the handshake.
-    pub unsafe fn drain(
-        &self,
-        depots: &[Depot],
-        to_depots: bool,
-        mut retire: impl FnMut(usize, u64),
-        class_size: impl Fn(usize) -> u64,
-        guard: &Guard,
-    ) {
+    pub unsafe fn drain(&self, depots: &[Depot], to_depots: bool, mut retire: impl FnMut(usize, u64), guard: &Guard) {
         // SAFETY: the caller holds the handshake.
         let mags = unsafe { self.mags() };
         mags.open_all();
@@ -712,7 +707,7 @@ impl CacheShared {
                 if m.is_empty() {
                     continue;
                 }
-                let bytes = m.len() as u64 * class_size(class);
+                let bytes = m.len() as u64 * u64::from(cm.size);
                 drop_by(&self.counters.cached_bytes, bytes);
                 let m = match depots.get(class) {
                     Some(d) if to_depots => match d.put_full(m, guard) {
@@ -740,7 +735,6 @@ impl CacheShared {
         target: u64,
         classes: std::ops::Range<usize>,
         mut retire: impl FnMut(usize, u64),
-        class_size: impl Fn(usize) -> u64,
     ) -> u64 {
         // SAFETY: the caller holds the handshake.
         let mags = unsafe { self.mags() };
@@ -754,7 +748,7 @@ impl CacheShared {
                 continue;
             }
             let Some(cm) = slot.as_mut() else { continue };
-            let size = class_size(class);
+            let size = u64::from(cm.size);
             for m in [&mut cm.prev, &mut cm.loaded] {
                 if moved >= target {
                     break;
@@ -940,7 +934,7 @@ mod tests {
         let mut taken = vec![];
         let g = pin();
         // SAFETY: try_steal holds the handshake while the closure runs.
-        assert!(c.try_steal(|c| unsafe { c.drain(&[], false, |_, a| taken.push(a), |_| SIZE, &g) }));
+        assert!(c.try_steal(|c| unsafe { c.drain(&[], false, |_, a| taken.push(a), &g) }));
         assert_eq!(taken, vec![0x100]);
         assert_eq!(c.counters.cached_bytes.load(Ordering::Relaxed), 0);
         assert!(c.enter(), "the owner gets back in once the thief is done");
@@ -984,6 +978,23 @@ mod tests {
         assert_eq!(c.try_pop_fast(0, SIZE), None, "nothing is left");
         assert_eq!(c.counters.t0_hits.load(Ordering::Relaxed), 3);
         assert_eq!(c.counters.cached_bytes.load(Ordering::Relaxed), 0, "each block counted at its own class's size");
+    }
+
+    #[test]
+    fn the_slow_path_borrows_from_a_previous_magazine_the_hit_path_cannot_see() {
+        // Nine blocks of class 3 with magazines of 8: the first eight end up in the
+        // previous magazine, the ninth in the loaded one, which the hit path then empties.
+        let blocks: Vec<(usize, u64)> = (0..9).map(|i| (3, 0x3000 + i)).collect();
+        let c = holding(6, 2, &blocks);
+        assert_eq!(c.try_pop_fast(3, SIZE << 3).map(|h| h.addr), Some(0x3008));
+        assert_eq!(c.try_pop_fast(1, SIZE << 1), None, "no loaded magazine within reach holds a block");
+        assert!(c.enter());
+        // SAFETY: entered.
+        let got = unsafe { c.pop_larger(1) };
+        c.exit();
+        assert_eq!(got, Some(Hit { addr: 0x3007, class: 3, size: SIZE << 3 }), "class 3's previous magazine");
+        entries_agree(&c);
+        assert_eq!(c.counters.cached_bytes.load(Ordering::Relaxed), 7 * (SIZE << 3));
     }
 
     #[test]

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use super::block::{Block, NO_CLASS};
 use super::{PoolInner, StreamState};
-use crate::cache::thread::{CacheShared, Slot, Spill};
+use crate::cache::thread::{CacheShared, Hit, Slot, Spill};
 use crate::class;
 use crate::device::{Stream, StreamId};
 use crate::error::Result;
@@ -145,8 +145,8 @@ impl ThreadCache {
             _ => return self.pool.alloc_uncached(bytes, &self.stream, Some(self)),
         };
         let size = class::size_of_class(class);
-        if let Some((a, c)) = self.take_cached(class, size, near) {
-            return Ok(self.block(a, bytes, class::size_of_class(c), c));
+        if let Some(hit) = self.take_cached(class, size) {
+            return Ok(self.block(hit.addr, bytes, hit.size, hit.class));
         }
         let addr = pool.alloc_miss(size, bytes, &self.stream, Some(self))?;
         Ok(self.block(addr, bytes, size, class))
@@ -160,23 +160,22 @@ impl ThreadCache {
     /// The hit path has already looked at the loaded magazines within reach; a previous
     /// magazine (of the class or a larger one) and the depot are left. One handshake; the
     /// depot (an epoch pin) only when it holds a magazine.
-    fn take_cached(&self, class: usize, size: u64, near_limit: bool) -> Option<(u64, usize)> {
+    fn take_cached(&self, class: usize, size: u64) -> Option<Hit> {
         self.shared.enter_wait();
         // SAFETY: entered above (for both calls).
         if let Some(a) = unsafe { self.shared.pop(class, size).or_else(|| self.shared.pop_prev(class, size)) } {
             self.shared.exit();
-            return Some((a, class));
+            return Some(Hit { addr: a, class, size });
         }
         let depot = self.stream.depots.get(class);
         if let (Some(depot), Some(&cap)) = (depot.filter(|d| d.full_count() > 0), self.pool.hot.caps.get(class)) {
             if let Some(a) = self.refill(Slot { class, size, cap: cap as usize }, depot) {
-                return Some((a, class));
+                return Some(Hit { addr: a, class, size });
             }
             self.shared.enter_wait();
         }
-        let within = self.within(class, near_limit);
         // SAFETY: entered (above, or again after the refill exited).
-        let larger = unsafe { self.shared.pop_larger(class, within, class::size_of_class) };
+        let larger = unsafe { self.shared.pop_larger(class) };
         self.shared.exit();
         larger
     }
@@ -196,14 +195,7 @@ impl ThreadCache {
         if over > 0 {
             // The budget could not cover the whole magazine: give the excess back.
             // SAFETY: still entered.
-            unsafe {
-                self.shared.drain_some(
-                    over,
-                    0..self.pool.hot.classes,
-                    |cl, a| spilled.push((cl, a)),
-                    class::size_of_class,
-                )
-            };
+            unsafe { self.shared.drain_some(over, 0..self.pool.hot.classes, |cl, a| spilled.push((cl, a))) };
         }
         self.shrink_budget();
         self.shared.exit();
@@ -304,9 +296,7 @@ impl ThreadCache {
         let guard = epoch::pin();
         let mut out = Vec::new();
         // SAFETY: entered above.
-        unsafe {
-            self.shared.drain(&self.stream.depots, to_depots, |c, a| out.push((c, a)), class::size_of_class, &guard)
-        };
+        unsafe { self.shared.drain(&self.stream.depots, to_depots, |c, a| out.push((c, a)), &guard) };
         self.pool.release_budget(&self.shared);
         self.shared.exit();
         self.pool.retire_cached(&self.stream, out);
@@ -318,7 +308,7 @@ impl ThreadCache {
         self.shared.enter_wait();
         let mut out = Vec::new();
         // SAFETY: entered above.
-        let moved = unsafe { self.shared.drain_some(target, classes, |c, a| out.push((c, a)), class::size_of_class) };
+        let moved = unsafe { self.shared.drain_some(target, classes, |c, a| out.push((c, a))) };
         self.shrink_budget();
         self.shared.exit();
         self.pool.retire_cached(&self.stream, out);
@@ -416,26 +406,25 @@ impl Memo {
         self.pool.get() == pool && self.stream.get() == stream
     }
 
+    /// The memo's cache, if the memo names (`pool`, `stream`).
     #[inline(always)]
     fn find(&self, pool: *const PoolInner, stream: StreamId) -> Option<&ThreadCache> {
-        if self.names(pool, stream) {
-            // SAFETY: the memo names a cache held by a live entry (see the type's docs).
-            Some(unsafe { &*self.tc.get() })
-        } else {
-            None
-        }
+        self.named(pool, stream, &self.tc)
     }
 
     /// The memo's cache's shared part, if the memo names (`pool`, `stream`).
     #[inline(always)]
     fn find_shared(&self, pool: *const PoolInner, stream: StreamId) -> Option<&CacheShared> {
-        if self.names(pool, stream) {
-            // SAFETY: the memo names a cache held by a live entry (see the type's docs),
-            // which holds its shared part.
-            Some(unsafe { &*self.shared.get() })
-        } else {
-            None
-        }
+        self.named(pool, stream, &self.shared)
+    }
+
+    /// What `cell` (the memo's cache, or its shared part) points to, if the memo names
+    /// (`pool`, `stream`).
+    #[inline(always)]
+    fn named<'a, T>(&'a self, pool: *const PoolInner, stream: StreamId, cell: &'a Cell<*const T>) -> Option<&'a T> {
+        // SAFETY: the memo names a cache held by a live entry (see the type's docs), which
+        // holds its shared part.
+        self.names(pool, stream).then(|| unsafe { &*cell.get() })
     }
 
     fn remember(&self, pool: *const PoolInner, stream: StreamId, tc: *const ThreadCache) {

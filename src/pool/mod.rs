@@ -964,7 +964,7 @@ impl PoolInner {
             let mut out = Vec::new();
             shared.try_steal(|c| {
                 // SAFETY: try_steal holds the handshake while this runs.
-                unsafe { c.drain(&st.depots, false, |cl, a| out.push((cl, a)), class::size_of_class, &guard) };
+                unsafe { c.drain(&st.depots, false, |cl, a| out.push((cl, a)), &guard) };
                 self.release_budget(c);
             });
             taken += out.len() as u64;
