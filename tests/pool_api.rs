@@ -42,6 +42,31 @@ fn a_zero_size_request_is_a_valid_empty_block() {
 }
 
 #[test]
+fn an_empty_block_owns_nothing_wherever_it_is_dropped() {
+    let (_dev, pool, s) = pool(1 << 30);
+    let cache = pool.stream_cache(&s).unwrap();
+    // A hit and a free first, so the thread's memo names this pool's cache for `s`: an empty
+    // block's drop then meets the cache's hit path, which must not take it.
+    drop(cache.alloc(4096).unwrap());
+    let figures = |p: &Pool| {
+        let st = p.stats();
+        (st.allocated_bytes, st.thread_cached_bytes, st.live_blocks, st.allocs, st.t0_hits)
+    };
+    let before = figures(&pool);
+    let (a, b) = (cache.alloc(0).unwrap(), pool.alloc(0, &s).unwrap());
+    for e in [&a, &b] {
+        assert!(e.is_empty() && e.capacity() == 0 && e.device_ptr() == 0, "{e:?}");
+    }
+    drop(a);
+    assert_eq!(figures(&pool), before, "an empty block is neither counted nor cached");
+    pool.check().unwrap();
+    // The other outlives its pool, which kept nothing for it.
+    drop(cache);
+    drop(pool);
+    drop(b);
+}
+
+#[test]
 fn an_impossible_request_is_a_typed_error_and_damages_nothing() {
     let (_dev, pool, s) = pool(1 << 30);
     let keep = pool.alloc(1 << 20, &s).unwrap();

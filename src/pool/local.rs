@@ -12,7 +12,7 @@ use std::ptr::NonNull;
 use std::rc::Rc;
 use std::sync::Arc;
 
-use super::block::{Block, NO_CLASS};
+use super::block::{Block, Placed, NO_CLASS};
 use super::{PoolInner, StreamState};
 use crate::cache::thread::{CacheShared, Hit, Slot, Spill};
 use crate::class;
@@ -48,20 +48,6 @@ const _: () = assert!(BORROW_CLASSES <= crate::cache::thread::REACH_MAX);
 /// The unit in which thread caches reserve cache budget.
 fn budget_chunk(config: &super::PoolConfig) -> u64 {
     (config.thread_cache_bytes / 8).clamp(1 << 20, 16 << 20)
-}
-
-/// A block of `class` (`size` bytes) at `addr`, asked for as `len` bytes, from a cache of
-/// `pool` for `stream`.
-#[inline(always)]
-fn cached_block(pool: NonNull<PoolInner>, stream: StreamId, addr: u64, len: usize, size: u64, class: usize) -> Block {
-    Block {
-        addr,
-        len,
-        size_class: Block::size_class_of(size, class as u64),
-        stream,
-        pool,
-        used_on: Cell::new(std::ptr::null_mut()),
-    }
 }
 
 /// One thread's cache for one (pool, stream).
@@ -111,20 +97,20 @@ impl ThreadCache {
     }
 
     /// The hit path: a block from the loaded magazine of the class or, when that is empty,
-    /// of the smallest larger class within reach that holds one, built in place in the
-    /// caller's result; anything else (a thief, empty magazines, a zero-byte or uncached size) is
-    /// [`ThreadCache::alloc_cold`], which writes the same result slot, so a hit never
-    /// copies a block through a second slot.
+    /// of the smallest larger class within reach that holds one; anything else (a thief,
+    /// empty magazines, a zero-byte or uncached size) is [`ThreadCache::alloc_cold`]. Both
+    /// give where the block is ([`Placed`], two words) and the block is built after they
+    /// meet, so a hit's block goes from registers to the caller.
     #[inline(always)]
     pub(crate) fn alloc(&self, bytes: usize) -> Result<Block> {
         // A class past the pool's cached ones has no magazines, so it misses here.
         let class = class::class_of(bytes as u64);
-        if let Some(class) = class {
-            if let Some(hit) = self.shared.try_pop_fast(class, class::size_of_class(class)) {
-                return Ok(self.block(hit.addr, bytes, hit.size, hit.class));
-            }
-        }
-        self.alloc_cold(bytes, class)
+        let hit = class.and_then(|c| self.shared.try_pop_fast(c, class::size_of_class(c)));
+        let at = match hit {
+            Some(hit) => Placed::cached(hit.addr, hit.size, hit.class),
+            None => self.alloc_cold(bytes, class)?,
+        };
+        Ok(Block::new(NonNull::from(&*self.pool), self.stream_id, bytes, at))
     }
 
     /// Everything but the hit path: the magazines again once any thief is gone, the
@@ -132,7 +118,7 @@ impl ThreadCache {
     /// `class_of(bytes)`, already computed by the caller.
     #[cold]
     #[inline(never)]
-    pub(crate) fn alloc_cold(&self, bytes: usize, class: Option<usize>) -> Result<Block> {
+    pub(crate) fn alloc_cold(&self, bytes: usize, class: Option<usize>) -> Result<Placed> {
         let pool = &*self.pool;
         let near = pool.near_limit();
         if near != self.near.get() {
@@ -146,10 +132,10 @@ impl ThreadCache {
         };
         let size = class::size_of_class(class);
         if let Some(hit) = self.take_cached(class, size) {
-            return Ok(self.block(hit.addr, bytes, hit.size, hit.class));
+            return Ok(Placed::cached(hit.addr, hit.size, hit.class));
         }
         let addr = pool.alloc_miss(size, bytes, &self.stream, Some(self))?;
-        Ok(self.block(addr, bytes, size, class))
+        Ok(Placed::cached(addr, size, class))
     }
 
     /// A block for `class` from this cache or its stream's depot, with the class it came
@@ -240,11 +226,6 @@ impl ThreadCache {
             c.budget.store(keep, Ordering::Relaxed);
             self.pool.cache_budget.give(have - keep);
         }
-    }
-
-    #[inline(always)]
-    pub(crate) fn block(&self, addr: u64, len: usize, size: u64, class: usize) -> Block {
-        cached_block(NonNull::from(&*self.pool), self.stream_id, addr, len, size, class)
     }
 
     /// Free through the whole path: the hit path if it takes the block, else waiting out
@@ -486,32 +467,31 @@ pub(crate) fn stream_cache(pool: &Arc<PoolInner>, stream: &Arc<StreamState>) -> 
 
 /// Allocate through the calling thread's cache for `stream`; without a cache (this thread's
 /// thread-locals are gone: it is exiting; or it runs a host function), straight from the
-/// arena. The same shape as [`ThreadCache::alloc`]: the hit path builds the block in place,
-/// and one cold call does everything else, so a hit never copies a block through a second
-/// slot.
+/// arena. The same shape as [`ThreadCache::alloc`]: the hit path and one cold call meet on
+/// where the block is, and the block is built after.
 #[inline(always)]
 pub(crate) fn alloc(pool: &Arc<PoolInner>, stream: &Stream, bytes: usize) -> Result<Block> {
     let (p, id) = (Arc::as_ptr(pool), stream.id());
     let class = class::class_of(bytes as u64);
-    if let Some(class) = class {
+    let hit = class.and_then(|class| {
         // The cache's shared part straight from the memo: the hit needs nothing else of the
         // cache (one dependent load fewer before it can start).
-        if let Ok(Some(shared)) = MEMO.try_with(|m| m.find_shared(p, id).map(|s| s as *const CacheShared)) {
-            // SAFETY: the memo names a cache a live entry of this thread holds (see `Memo`),
-            // and the hit path removes no entry.
-            let shared = unsafe { &*shared };
-            if let Some(hit) = shared.try_pop_fast(class, class::size_of_class(class)) {
-                return Ok(cached_block(NonNull::from(&**pool), id, hit.addr, bytes, hit.size, hit.class));
-            }
-        }
-    }
-    alloc_slow(pool, stream, bytes, class)
+        let shared = MEMO.try_with(|m| m.find_shared(p, id).map(|s| s as *const CacheShared)).ok()??;
+        // SAFETY: the memo names a cache a live entry of this thread holds (see `Memo`), and
+        // the hit path removes no entry.
+        unsafe { &*shared }.try_pop_fast(class, class::size_of_class(class))
+    });
+    let at = match hit {
+        Some(hit) => Placed::cached(hit.addr, hit.size, hit.class),
+        None => alloc_slow(pool, stream, bytes, class)?,
+    };
+    Ok(Block::new(NonNull::from(&**pool), id, bytes, at))
 }
 
 /// Everything [`alloc`]'s hit path does not do: find (or make) the cache, then its cold path.
 #[cold]
 #[inline(never)]
-fn alloc_slow(pool: &Arc<PoolInner>, stream: &Stream, bytes: usize, class: Option<usize>) -> Result<Block> {
+fn alloc_slow(pool: &Arc<PoolInner>, stream: &Stream, bytes: usize, class: Option<usize>) -> Result<Placed> {
     match find(pool, stream.id(), || pool.stream_state(stream).ok()) {
         // SAFETY: `find` names a cache a live entry of this thread holds, and nothing the
         // allocation reaches removes entries (see `Memo`).

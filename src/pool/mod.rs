@@ -61,7 +61,7 @@ use crate::reclaim::{Span, StreamRetire};
 use crate::stats::{Counters, Stats};
 use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::epoch;
-use block::NO_CLASS;
+use block::Placed;
 
 /// Device addresses and sizes are multiples of this.
 pub const ALIGN: u64 = 256;
@@ -388,10 +388,9 @@ impl PoolInner {
         bytes: usize,
         st: &Arc<StreamState>,
         own: Option<&local::ThreadCache>,
-    ) -> Result<Block> {
-        let id = st.stream.id();
+    ) -> Result<Placed> {
         if bytes == 0 {
-            return Ok(Block::empty(id));
+            return Ok(Placed::EMPTY);
         }
         let limit = self.max_reserved.min(self.range / 2);
         let size = self.arena.size_for(bytes as u64).filter(|&s| s <= limit);
@@ -408,14 +407,7 @@ impl PoolInner {
             None => (self.alloc_arena(size, bytes, st, own)?, size),
         };
         self.counters.on_alloc();
-        Ok(Block {
-            addr,
-            len: bytes,
-            size_class: Block::size_class_of(size, NO_CLASS),
-            stream: id,
-            pool: std::ptr::NonNull::from(&**self),
-            used_on: std::cell::Cell::new(std::ptr::null_mut()),
-        })
+        Ok(Placed::uncached(addr, size))
     }
 
     /// A cached class missed T0 and T1: the arena (through the ladder) serves a block of the
