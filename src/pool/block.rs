@@ -56,10 +56,10 @@ impl Placed {
 /// its stream. `Send`, not `Sync`: one thread holds it at a time; any thread may drop it.
 ///
 /// Every field is a whole word and the pool pointer is never null (an empty block's is
-/// never followed), so `Result<Block, Error>` is the size of a block and
-/// moving one is whole-word copies: a half-word field or a separate tag made the compiler
-/// copy blocks with 16-byte moves over 8-byte stores, which stall store forwarding and cost
-/// the hit path half its time.
+/// never followed), so `Result<Block, Error>` is the size of a block and a block moves as
+/// whole words: a half-word field or a separate tag made the compiler copy blocks with
+/// 16-byte moves over 8-byte stores, which stall store forwarding and cost the hit path half
+/// its time. (The allocation paths avoid the same stall by meeting on `Placed`.)
 pub struct Block {
     pub(crate) addr: u64,
     pub(crate) len: usize,
