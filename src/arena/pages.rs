@@ -511,7 +511,7 @@ mod tests {
     fn map_failure_leaves_page_unmapped_and_rolls_back() {
         let m = PageMap::new(0, 4 * P, P).unwrap();
         m.acquire(P, P, true, &mut |_, _| Ok(())).unwrap();
-        let err = Error::Device { call: "map", code: -1, message: "no".into() };
+        let err = Error::Device { call: "map", code: -1, message: Box::new("no".into()) };
         let e2 = err.clone();
         // Page 0 is a run of its own (page 1 is mapped), page 2 another, whose map fails.
         let r = m.acquire(0, 3 * P, true, &mut |a, _| if a == 2 * P { Err(e2.clone()) } else { Ok(()) });

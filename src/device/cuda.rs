@@ -144,7 +144,7 @@ fn driver_error(call: &'static str, rc: CUresult) -> Error {
         | CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
         | CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
         | CUDA_ERROR_CAPTURED_EVENT => Error::StreamCapturing,
-        _ => Error::Device { call, code: rc as i32, message: describe(rc).into() },
+        _ => Error::Device { call, code: rc as i64, message: describe(rc).into() },
     }
 }
 

@@ -40,8 +40,8 @@ fn check_not_in_host_fn() -> Result<()> {
     }
 }
 
-fn sim_err(call: &'static str, message: impl Into<Box<str>>) -> Error {
-    Error::Device { call, code: -1, message: message.into() }
+fn sim_err(call: &'static str, message: impl Into<String>) -> Error {
+    Error::Device { call, code: -1, message: Box::new(message.into()) }
 }
 
 /// Locks in the simulator are never held across user code, so a poisoned one only means a
