@@ -9,6 +9,7 @@ use std::fmt;
 use std::ptr::NonNull;
 
 use super::{local, PoolInner};
+use crate::cache::thread::Hit;
 use crate::device::{Stream, StreamId};
 
 /// The class of a block that no cache holds (larger than the largest cached class, made
@@ -42,6 +43,12 @@ impl Placed {
     pub(crate) fn cached(addr: u64, size: u64, class: usize) -> Placed {
         debug_assert!(size % crate::ALIGN == 0 && (class as u64) < NO_CLASS);
         Placed { addr, size_class: size | class as u64 }
+    }
+
+    /// Where a cache's block is: at its address, holding its class's size.
+    #[inline(always)]
+    pub(crate) fn taken(hit: Hit) -> Placed {
+        Placed::cached(hit.addr, hit.size, hit.class)
     }
 
     /// A block of `size` bytes (a multiple of 256) that no cache holds.

@@ -98,19 +98,12 @@ impl ThreadCache {
 
     /// The hit path: a block from the loaded magazine of the class or, when that is empty,
     /// of the smallest larger class within reach that holds one; anything else (a thief,
-    /// empty magazines, a zero-byte or uncached size) is [`ThreadCache::alloc_cold`]. Both
-    /// give where the block is ([`Placed`], two words) and the block is built after they
-    /// meet, so a hit's block goes from registers to the caller.
+    /// empty magazines, a zero-byte or uncached size) is [`ThreadCache::alloc_cold`]; see
+    /// [`alloc_through`].
     #[inline(always)]
     pub(crate) fn alloc(&self, bytes: usize) -> Result<Block> {
-        // A class past the pool's cached ones has no magazines, so it misses here.
-        let class = class::class_of(bytes as u64);
-        let hit = class.and_then(|c| self.shared.try_pop_fast(c, class::size_of_class(c)));
-        let at = match hit {
-            Some(hit) => Placed::cached(hit.addr, hit.size, hit.class),
-            None => self.alloc_cold(bytes, class)?,
-        };
-        Ok(Block::new(NonNull::from(&*self.pool), self.stream_id, bytes, at))
+        let pool = NonNull::from(&*self.pool);
+        alloc_through(pool, self.stream_id, bytes, || Some(&*self.shared), |class| self.alloc_cold(bytes, class))
     }
 
     /// Everything but the hit path: the magazines again once any thief is gone, the
@@ -132,7 +125,7 @@ impl ThreadCache {
         };
         let size = class::size_of_class(class);
         if let Some(hit) = self.take_cached(class, size) {
-            return Ok(Placed::cached(hit.addr, hit.size, hit.class));
+            return Ok(Placed::taken(hit));
         }
         let addr = pool.alloc_miss(size, bytes, &self.stream, Some(self))?;
         Ok(Placed::cached(addr, size, class))
@@ -467,25 +460,41 @@ pub(crate) fn stream_cache(pool: &Arc<PoolInner>, stream: &Arc<StreamState>) -> 
 
 /// Allocate through the calling thread's cache for `stream`; without a cache (this thread's
 /// thread-locals are gone: it is exiting; or it runs a host function), straight from the
-/// arena. The same shape as [`ThreadCache::alloc`]: the hit path and one cold call meet on
-/// where the block is, and the block is built after.
+/// arena. The same hit path as [`ThreadCache::alloc`] ([`alloc_through`]), with the cache
+/// found through the memo.
 #[inline(always)]
 pub(crate) fn alloc(pool: &Arc<PoolInner>, stream: &Stream, bytes: usize) -> Result<Block> {
     let (p, id) = (Arc::as_ptr(pool), stream.id());
-    let class = class::class_of(bytes as u64);
-    let hit = class.and_then(|class| {
-        // The cache's shared part straight from the memo: the hit needs nothing else of the
-        // cache (one dependent load fewer before it can start).
+    // The cache's shared part straight from the memo: the hit needs nothing else of the
+    // cache (one dependent load fewer before it can start).
+    let shared = || {
         let shared = MEMO.try_with(|m| m.find_shared(p, id).map(|s| s as *const CacheShared)).ok()??;
         // SAFETY: the memo names a cache a live entry of this thread holds (see `Memo`), and
         // the hit path removes no entry.
-        unsafe { &*shared }.try_pop_fast(class, class::size_of_class(class))
-    });
-    let at = match hit {
-        Some(hit) => Placed::cached(hit.addr, hit.size, hit.class),
-        None => alloc_slow(pool, stream, bytes, class)?,
+        Some(unsafe { &*shared })
     };
-    Ok(Block::new(NonNull::from(&**pool), id, bytes, at))
+    alloc_through(NonNull::from(&**pool), id, bytes, shared, |class| alloc_slow(pool, stream, bytes, class))
+}
+
+/// The allocation hit path both entry points share: the block of `bytes`' class (or a
+/// larger one within reach) from `shared()`'s loaded magazines, else `cold(class)`; both meet
+/// on where the block is ([`Placed`]), and the block of `pool` for `stream` is built once,
+/// after. A class past the pool's cached ones has no magazines, so it misses here.
+#[inline(always)]
+fn alloc_through<'a>(
+    pool: NonNull<PoolInner>,
+    stream: StreamId,
+    bytes: usize,
+    shared: impl FnOnce() -> Option<&'a CacheShared>,
+    cold: impl FnOnce(Option<usize>) -> Result<Placed>,
+) -> Result<Block> {
+    let class = class::class_of(bytes as u64);
+    let hit = class.and_then(|c| shared()?.try_pop_fast(c, class::size_of_class(c)));
+    let at = match hit {
+        Some(hit) => Placed::taken(hit),
+        None => cold(class)?,
+    };
+    Ok(Block::new(pool, stream, bytes, at))
 }
 
 /// Everything [`alloc`]'s hit path does not do: find (or make) the cache, then its cold path.
