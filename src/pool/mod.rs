@@ -313,6 +313,12 @@ impl Pool {
         self.inner.max_reserved
     }
 
+    /// The device address range the pool reserved, as (base, bytes): every block the pool
+    /// hands out lies inside it, so an address outside it is not one of the pool's.
+    pub fn address_range(&self) -> (u64, u64) {
+        (self.inner.base, self.inner.range)
+    }
+
     /// Allocate `bytes` for use on `stream`: work enqueued on `stream` after this call may
     /// use the block. A zero-byte request gives an empty block. Served by the calling
     /// thread's cache for `stream`, found through a thread-local.
