@@ -7,6 +7,7 @@ use crate::sync::atomic::{AtomicU64, Ordering};
 
 /// A snapshot of the pool's figures, in bytes unless named otherwise.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[allow(deprecated)]
 pub struct Stats {
     /// Bytes in live blocks (sizes rounded up to 256).
     pub allocated_bytes: u64,
@@ -16,17 +17,26 @@ pub struct Stats {
     pub peak_allocated_bytes: u64,
     /// The most `reserved_bytes` has been.
     pub peak_reserved_bytes: u64,
-    /// Bytes free for reuse on their own stream without an event: thread caches, stream
-    /// depots and open retire batches together.
+    /// Bytes in the caches, free for reuse on their own stream: thread caches and stream
+    /// depots together.
     pub cached_bytes: u64,
     /// ... of which in thread caches (T0).
     pub thread_cached_bytes: u64,
     /// ... of which in stream depots (T1).
     pub depot_bytes: u64,
-    /// ... of which in open retire batches (T2, before their event is recorded).
+    /// Always 0: freed memory no longer waits in open batches; it goes back to its stream's
+    /// arena at once (counted in `stream_free_bytes` or the arena's free bytes). Kept so that
+    /// code reading it still builds.
+    #[deprecated(note = "always 0: freed memory goes back to the arena at once, behind a fence")]
     pub open_batch_bytes: u64,
-    /// Bytes freed and waiting for their batch's event.
+    /// Bytes of blocks used on several streams (`record_stream`), freed and waiting for the
+    /// events of every stream they were used on.
     pub retiring_bytes: u64,
+    /// Bytes free in the chunks streams hold for their small blocks (free-but-mapped memory
+    /// each stream reuses at once).
+    pub stream_free_bytes: u64,
+    /// 2 MiB chunks held by streams for their small blocks.
+    pub stream_chunks: u64,
     /// Live blocks.
     pub live_blocks: u64,
     /// Allocations served.
@@ -37,13 +47,18 @@ pub struct Stats {
     pub t1_hits: u64,
     /// Live thread caches.
     pub thread_caches: u64,
-    /// Allocations above the largest cached class served by a block freed on the same
-    /// stream (no event needed).
+    /// Large blocks and chunks placed on memory the requesting stream had freed itself
+    /// (reused at once, with no event).
     pub same_stream_reuses: u64,
-    /// Events recorded (one per closed batch, one per stream for `record_stream` blocks).
+    /// Events recorded: when another stream needed a stream's fences resolved, at stream
+    /// destruction, and one per stream for `record_stream` blocks.
     pub events_recorded: u64,
-    /// Batches whose event was seen complete and whose blocks went back to the arena.
+    /// Batches of `record_stream` blocks whose events were seen complete and whose blocks
+    /// went back to the arena.
     pub batches_retired: u64,
+    /// Device-side waits: a stream made to wait on another stream's event so that it could
+    /// take memory freed there (see `PoolConfig::cross_stream_waits`).
+    pub device_waits: u64,
     /// Times the out-of-memory ladder flushed the caches and depots into retire.
     pub ladder_flushes: u64,
     /// Times the out-of-memory ladder had to map more pages.
@@ -54,8 +69,13 @@ pub struct Stats {
     pub ladder_waits: u64,
     /// Allocations refused with out-of-memory.
     pub ooms: u64,
-    /// Bytes unmapped by trims and the release threshold.
+    /// Bytes mapped over the pool's life.
+    pub mapped_bytes: u64,
+    /// Bytes unmapped over the pool's life, for any reason (trims, the release threshold,
+    /// trading pages).
     pub unmapped_bytes: u64,
+    /// Bytes kept mapped through trims (pre-allocation, [`crate::Pool::reserve`]).
+    pub floor_bytes: u64,
     /// The largest block the arena could hand out now (exact when quiet).
     pub largest_free_block: u64,
     /// Bytes free in the arena over its whole range (mapped or not).
@@ -104,6 +124,8 @@ pub(crate) struct Counters {
     pub same_stream_reuses: AtomicU64,
     pub events_recorded: AtomicU64,
     pub batches_retired: AtomicU64,
+    pub device_waits: AtomicU64,
+    pub mapped: AtomicU64,
     pub ladder_flushes: AtomicU64,
     pub ladder_maps: AtomicU64,
     pub ladder_waits: AtomicU64,

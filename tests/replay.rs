@@ -4,7 +4,6 @@
 
 use std::io::BufReader;
 use std::sync::Arc;
-use std::time::Duration;
 
 use vrampool::replay::{replay, Trace};
 use vrampool::{Device, PoolConfig, SimDevice};
@@ -15,12 +14,10 @@ fn trace(name: &str) -> Trace {
     Trace::parse(BufReader::new(flate2::read::GzDecoder::new(file))).unwrap()
 }
 
-/// The default config, but the ladder waits as long as it takes for the simulator's idle
-/// streams to complete their retire events before it maps: on a loaded 2-core CI machine
-/// the default 200 µs can pass before a stream's worker thread even runs, and the figure
-/// would then measure the scheduler, not the placement.
+/// The default config: the figure must not depend on how soon the simulator's stream
+/// threads run.
 fn config() -> PoolConfig {
-    PoolConfig { poll_before_map: Duration::from_millis(50), ..PoolConfig::default() }
+    PoolConfig::default()
 }
 
 fn check(name: &str, pytorch: f64) {

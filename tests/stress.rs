@@ -678,11 +678,10 @@ fn no_two_blocks_overlap_on_any_streams_clock() {
 
 #[test]
 fn stress_catches_a_broken_event_guard() {
-    // Every retire event counts as complete, and the streams stall for 50–200 µs often, so
-    // memory freed on a stream goes back to the arena, and to other streams, while the
-    // freeing stream is still using it. Small batches make memory go round the arena (and
-    // between streams) quickly.
-    let config = PoolConfig { batch_blocks: 4, break_event_guard_for_tests: true, ..config(256 << 20) };
+    // Every fence and retire event counts as complete and no device wait is set up, and the
+    // streams stall for 50–200 µs often, so memory freed on a stream goes to other streams
+    // while the freeing stream is still using it.
+    let config = PoolConfig { break_event_guard_for_tests: true, ..config(256 << 20) };
     let out = stress(Run {
         name: "broken guard",
         config,

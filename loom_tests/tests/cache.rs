@@ -8,8 +8,9 @@
 //! Every model ends by checking that each block is in exactly one place and that the
 //! cache's `cached_bytes` counter agrees with what the cache holds.
 //!
-//! Each model registers with an explicit crossbeam-epoch `Collector` (the depot's and the
-//! retire queue's nodes are reclaimed through it).
+//! Blocks that leave a cache go back to the arena; the models stand a lock-free stack in
+//! for it (the arena's own protocols have models of their own). Each model registers with
+//! an explicit crossbeam-epoch `Collector` (the depot's nodes are reclaimed through it).
 //!
 //! `RUSTFLAGS="--cfg loom --cfg crossbeam_loom" LOOM_MAX_PREEMPTIONS=2 cargo test -p loom_tests --release --test cache`
 #![cfg(loom)]
@@ -23,7 +24,7 @@ use loom::thread;
 use vrampool::cache::depot::Depot;
 use vrampool::cache::magazine::Magazine;
 use vrampool::cache::thread::{CacheShared, Slot, Spill};
-use vrampool::reclaim::{Span, StreamRetire};
+use vrampool::reclaim::{Span, Stack};
 
 /// The one size class of every model.
 const SIZE: u64 = 256;
@@ -100,11 +101,16 @@ fn depot_contents(d: &Depot, h: &LocalHandle) -> Vec<u64> {
     v
 }
 
-/// The blocks of a quiet retire queue.
-fn retire_contents(r: &StreamRetire<()>, h: &LocalHandle) -> Vec<u64> {
-    let mut v = Vec::new();
-    r.for_each_span(|s| v.push(s.addr), &h.pin());
-    assert_eq!(r.open_bytes(), v.len() as u64 * SIZE, "open_bytes agrees with the spans held");
+/// The blocks that went back to the (stand-in) arena.
+fn retire_contents(r: &Stack<Span>, _h: &LocalHandle) -> Vec<u64> {
+    let mut v: Vec<u64> = r
+        .take_all()
+        .map(|s| {
+            assert_eq!(s.size, SIZE);
+            s.addr
+        })
+        .collect();
+    v.sort_unstable();
     v
 }
 
@@ -137,14 +143,14 @@ fn owner_and_thief_never_hold_the_magazines_together() {
             // Loaded magazine [1, 2]; the owner holds block 3 (live).
             Arc::new(filled_cache(&[1, 2], 2, &depot, &h))
         };
-        let retire: Arc<StreamRetire<()>> = Arc::new(StreamRetire::new());
+        let retire: Arc<Stack<Span>> = Arc::new(Stack::new());
         let owner = {
             let (cs, depot, retire, c) = (cs.clone(), depot.clone(), retire.clone(), collector.clone());
             thread::spawn(move || {
                 let h = c.register();
                 let got = alloc(&cs, slot(2), &depot, &h);
                 for a in free(&cs, slot(2), 3, &depot, &h) {
-                    retire.free(span(a));
+                    retire.push(span(a));
                 }
                 got
             })
@@ -160,7 +166,7 @@ fn owner_and_thief_never_hold_the_magazines_together() {
         });
         assert!(stolen || taken.is_empty(), "a refused thief takes nothing");
         for &a in &taken {
-            retire.free(span(a));
+            retire.push(span(a));
         }
         let in_hands = owner.join().unwrap();
         let mut all: Vec<u64> = in_hands.into_iter().collect();
@@ -177,7 +183,7 @@ fn owner_and_thief_never_hold_the_magazines_together() {
 struct Owner {
     cs: Arc<CacheShared>,
     depot: Arc<Depot>,
-    retire: Arc<StreamRetire<()>>,
+    retire: Arc<Stack<Span>>,
     collector: Arc<Collector>,
 }
 
@@ -193,7 +199,7 @@ impl Drop for Owner {
         }
         self.cs.exit();
         for a in out {
-            self.retire.free(span(a));
+            self.retire.push(span(a));
         }
         self.cs.retire();
     }
@@ -217,7 +223,7 @@ fn a_thread_exit_flush_racing_a_trim_loses_and_duplicates_nothing() {
     loom::model(|| {
         let collector = Arc::new(Collector::new());
         let depot = Arc::new(Depot::new(1));
-        let retire: Arc<StreamRetire<()>> = Arc::new(StreamRetire::new());
+        let retire: Arc<Stack<Span>> = Arc::new(Stack::new());
         let cs = {
             let h = collector.register();
             // Loaded magazine [1, 2] from the owner's earlier frees; it holds block 3.
@@ -238,7 +244,7 @@ fn a_thread_exit_flush_racing_a_trim_loses_and_duplicates_nothing() {
                 let got = alloc(&cs, slot(2), &depot, &h);
                 for a in got.into_iter().chain([3]) {
                     for spilled in free(&cs, slot(2), a, &depot, &h) {
-                        retire.free(span(spilled));
+                        retire.push(span(spilled));
                     }
                 }
                 // Returning ends the thread: OWNER's destructor flushes.
@@ -252,7 +258,7 @@ fn a_thread_exit_flush_racing_a_trim_loses_and_duplicates_nothing() {
             unsafe { c.drain(&[], false, |_, a| taken.push(a), &g) }
         });
         for a in taken {
-            retire.free(span(a));
+            retire.push(span(a));
         }
         owner.join().unwrap();
         while !cs.is_retired() {
@@ -311,7 +317,7 @@ fn an_out_of_memory_flush_racing_allocations_keeps_every_block_once() {
     loom::model(|| {
         let collector = Arc::new(Collector::new());
         let depot = Arc::new(Depot::new(1));
-        let retire: Arc<StreamRetire<()>> = Arc::new(StreamRetire::new());
+        let retire: Arc<Stack<Span>> = Arc::new(Stack::new());
         let tags = Arc::new(Tags::new(&[FREE, FREE, TAKEN, TAKEN]));
         let cs = {
             let h = collector.register();
@@ -339,7 +345,7 @@ fn an_out_of_memory_flush_racing_allocations_keeps_every_block_once() {
                     for spilled in free(&cs, slot(1), x, &depot, &h) {
                         tags.removed(spilled);
                         tags.inserted(spilled);
-                        retire.free(span(spilled));
+                        retire.push(span(spilled));
                     }
                 }
             })
@@ -375,7 +381,7 @@ fn an_out_of_memory_flush_racing_allocations_keeps_every_block_once() {
         }
         for x in out {
             tags.inserted(x);
-            retire.free(span(x));
+            retire.push(span(x));
         }
         a.join().unwrap();
         assert!(tags.all_free(), "every block ends in a tier");

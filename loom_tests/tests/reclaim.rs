@@ -1,49 +1,134 @@
-//! loom models of stream-ordered reclamation: frees racing a batch close, and the
-//! retire/event handoff (a poller racing the event's completion and another poller).
+//! loom models of stream-ordered reclamation: the fence a free gets racing an event's record
+//! (the same-stream handoff: the event must cover the free, or the free must wait for a
+//! later event), a cross-stream take through a device wait (the event waited on covers the
+//! free), a poller racing the device's completion of events, and the retire/event handoff
+//! of blocks used on several streams.
 //!
-//! The event is a loom-visible fake (an `AtomicBool` the "GPU" thread sets); the FIFO's nodes
-//! are reclaimed through an explicit crossbeam-epoch `Collector` per model.
+//! A stream is modelled by its queue: an atomic counter whose `fetch_add` is an enqueue
+//! (the driver's queue lock orders enqueues the same way) and returns the position; an
+//! event is the position at which it was recorded, plus a completion flag the "GPU" thread
+//! sets. Epoch-reclaimed queues get an explicit crossbeam-epoch `Collector` per model.
 //!
 //! `RUSTFLAGS="--cfg loom --cfg crossbeam_loom" LOOM_MAX_PREEMPTIONS=2 cargo test -p loom_tests --release --test reclaim`
 #![cfg(loom)]
 
 use crossbeam_epoch::{Collector, LocalHandle};
-use loom::sync::atomic::{AtomicBool, Ordering};
+use loom::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use loom::sync::Arc;
 use loom::thread;
-use vrampool::reclaim::{Span, StreamRetire};
+use vrampool::reclaim::fence::FenceLog;
+use vrampool::reclaim::{Retire, Span};
+
+/// A fake event: where in its stream's queue it was recorded, and whether the "GPU" has
+/// passed it.
+struct Ev {
+    at: u64,
+    done: Arc<AtomicBool>,
+}
+
+/// Record an event on `queue` (an enqueue, like `cuEventRecord`).
+fn record(queue: &AtomicU64, done: &Arc<AtomicBool>) -> Ev {
+    Ev { at: queue.fetch_add(1, Ordering::AcqRel), done: done.clone() }
+}
+
+/// The same-stream handoff: a thread frees a block right after enqueuing the block's last
+/// use, while another thread records an event on the stream (as the pool does for
+/// `note_free` or another stream's request). Whatever the interleaving, an event whose
+/// number is at least the free's fence was recorded after the block's last use, so its
+/// completion proves the use is done.
+#[test]
+fn an_event_numbered_at_or_past_a_free_s_fence_is_recorded_after_its_last_use() {
+    loom::model(|| {
+        let collector = Arc::new(Collector::new());
+        let log: Arc<FenceLog<Ev>> = Arc::new(FenceLog::new());
+        let queue = Arc::new(AtomicU64::new(0));
+        let done = Arc::new(AtomicBool::new(false));
+        let recorder = {
+            let (log, queue, done, c) = (log.clone(), queue.clone(), done.clone(), collector.clone());
+            thread::spawn(move || {
+                let h = c.register();
+                log.record(|| Ok::<_, ()>(record(&queue, &done)), &h.pin()).unwrap()
+            })
+        };
+        // The block's last use, then its free.
+        let last_use = queue.fetch_add(1, Ordering::AcqRel);
+        let fence = log.stamp();
+        let seq = recorder.join().unwrap();
+        let h = collector.register();
+        if seq >= fence {
+            let at = log.covering(fence, |e| e.at, &h.pin()).expect("the event is recorded");
+            assert!(at > last_use, "event {seq} (at {at}) covers fence {fence} but precedes the use at {last_use}");
+        }
+    });
+}
+
+/// A cross-stream take with a device wait: stream S frees a block (after its last use)
+/// while events are recorded on S; a thread of another stream finds the fence incomplete,
+/// takes the event covering it (recording one if none does yet) and waits on it. The event
+/// waited on is always recorded after the block's last use, and a poller racing the "GPU"
+/// never calls the fence complete before the GPU has passed that use.
+#[test]
+fn a_device_wait_and_a_poll_never_run_ahead_of_the_freed_block_s_last_use() {
+    loom::model(|| {
+        let collector = Arc::new(Collector::new());
+        let log: Arc<FenceLog<Ev>> = Arc::new(FenceLog::new());
+        let queue = Arc::new(AtomicU64::new(0));
+        // The "GPU" has run every enqueued item below `passed`.
+        let passed = Arc::new(AtomicU64::new(0));
+        let ev_done = Arc::new(AtomicBool::new(false));
+        // Stream S: the block's last use, its free; the fence travels with the memory.
+        let last_use = queue.fetch_add(1, Ordering::AcqRel);
+        let fence = log.stamp();
+        let other = {
+            let (log, queue, done, c) = (log.clone(), queue.clone(), ev_done.clone(), collector.clone());
+            thread::spawn(move || {
+                let h = c.register();
+                let g = h.pin();
+                if log.is_complete(fence) {
+                    return None;
+                }
+                match log.covering(fence, |e| e.at, &g) {
+                    Some(at) => Some(at),
+                    None => {
+                        log.record(|| Ok::<_, ()>(record(&queue, &done)), &g).unwrap();
+                        // A poller may have seen it complete (and dropped it) already.
+                        let at = log.covering(fence, |e| e.at, &g);
+                        assert!(at.is_some() || log.is_complete(fence), "recorded, neither pending nor complete");
+                        at
+                    }
+                }
+            })
+        };
+        let gpu = {
+            let (queue, passed, done) = (queue.clone(), passed.clone(), ev_done.clone());
+            thread::spawn(move || {
+                // Run everything enqueued so far, then signal the event if it is among it.
+                let upto = queue.load(Ordering::Acquire);
+                passed.store(upto, Ordering::Release);
+                if upto >= 2 {
+                    done.store(true, Ordering::Release);
+                }
+            })
+        };
+        let h = collector.register();
+        log.poll(|e| e.done.load(Ordering::Acquire), &h.pin());
+        if log.is_complete(fence) {
+            assert!(passed.load(Ordering::Acquire) > last_use, "fence complete before the GPU passed the use");
+        }
+        if let Some(at) = other.join().unwrap() {
+            assert!(at > last_use, "waited on an event (at {at}) before the use at {last_use}");
+        }
+        gpu.join().unwrap();
+    });
+}
 
 fn span(addr: u64) -> Span {
     Span { addr, size: 256 }
 }
 
-/// A free racing the close of its stream's batch: the block ends up either in the closed
-/// batch or still open, never lost and never in both; the counters agree with where it is.
-#[test]
-fn a_free_racing_a_batch_close_is_neither_lost_nor_duplicated() {
-    loom::model(|| {
-        let collector = Collector::new();
-        let r: Arc<StreamRetire<AtomicBool>> = Arc::new(StreamRetire::new());
-        r.free(span(0));
-        let r2 = r.clone();
-        let t = thread::spawn(move || {
-            r2.free(span(256));
-        });
-        let handle = collector.register();
-        let closed = r.close(|| Ok::<_, ()>(Some(AtomicBool::new(true))), &handle.pin()).unwrap();
-        t.join().unwrap();
-        let mut seen = vec![];
-        r.for_each_span(|s| seen.push(s.addr), &handle.pin());
-        seen.sort_unstable();
-        assert_eq!(seen, vec![0, 256]);
-        assert_eq!(closed + r.open_bytes(), 512);
-        assert_eq!(r.pending_bytes(), closed);
-    });
-}
-
 /// One poll that fails if it releases a span while the "GPU" still uses it; returns the
 /// spans released.
-fn poll_checked(r: &StreamRetire<Arc<AtomicBool>>, in_use: &AtomicBool, h: &LocalHandle) -> usize {
+fn poll_checked(r: &Retire<Arc<AtomicBool>>, in_use: &AtomicBool, h: &LocalHandle) -> usize {
     let mut n = 0;
     r.poll(
         |e| e.load(Ordering::Acquire),
@@ -56,22 +141,20 @@ fn poll_checked(r: &StreamRetire<Arc<AtomicBool>>, in_use: &AtomicBool, h: &Loca
     n
 }
 
-/// The retire/event handoff: a poller never releases a batch before its event completes,
-/// two pollers racing release each batch exactly once, and once the event is complete a
-/// final poll releases everything.
+/// The retire/event handoff of blocks used on several streams: a poller never releases a
+/// batch before its event completes, two pollers racing release each batch exactly once,
+/// and once the event is complete a final poll releases everything.
 #[test]
 fn a_batch_is_released_once_and_only_after_its_event_completes() {
     loom::model(|| {
         let collector = Arc::new(Collector::new());
-        let r: Arc<StreamRetire<Arc<AtomicBool>>> = Arc::new(StreamRetire::new());
+        let r: Arc<Retire<Arc<AtomicBool>>> = Arc::new(Retire::new());
         let gpu_done = Arc::new(AtomicBool::new(false));
         // Memory the "GPU" still uses until it sets the event: releasing before must not happen.
         let in_use = Arc::new(AtomicBool::new(true));
-        r.free(span(0));
-        r.free(span(256));
         {
             let h = collector.register();
-            r.close(|| Ok::<_, ()>(Some(gpu_done.clone())), &h.pin()).unwrap();
+            r.queue_batch(Some(gpu_done.clone()), vec![span(0), span(256)], &h.pin());
         }
         let gpu = {
             let (done, in_use) = (gpu_done.clone(), in_use.clone());

@@ -83,8 +83,11 @@ fn ceil_log2(n: u64) -> u32 {
 pub struct Arena {
     base: u64,
     range: u64,
-    /// log2(range): the order of the whole range.
+    /// The largest order: blocks merge up to it and no further. log2(range) for an arena
+    /// over a whole range; less for a chunked one ([`Arena::chunked`]).
     top: u32,
+    /// Free blocks of the top order (a snapshot, for policy: exact when quiet).
+    top_free: AtomicUsize,
     /// Free blocks per order, index `k - MIN_ORDER`.
     free: Box<[HBitmap]>,
     free_bytes: AtomicU64,
@@ -116,6 +119,25 @@ impl Arena {
     /// An arena over `[base, base + range)`, wholly free. `range` must be a power of two of at
     /// least 256 bytes (and at most 2^48), `base` 256-aligned, and the range must not wrap.
     pub fn new(base: u64, range: u64) -> Result<Arena, Error> {
+        Arena::new_checked(base, range)?;
+        let arena = Arena::empty(base, range, range.trailing_zeros());
+        arena.add_top(0);
+        Ok(arena)
+    }
+
+    /// An arena over `[base, base + range)` whose blocks merge only up to `1 << top_order`
+    /// bytes (a *chunk*), holding nothing at first: chunks come and go whole with
+    /// [`Arena::add_top`] and [`Arena::take_top`]. Same bounds on `base` and `range` as
+    /// [`Arena::new`]; `top_order` at least [`MIN_ORDER`] and at most log2(range).
+    pub fn chunked(base: u64, range: u64, top_order: u32) -> Result<Arena, Error> {
+        Arena::new_checked(base, range)?;
+        if !(MIN_ORDER..=range.trailing_zeros()).contains(&top_order) {
+            return Err(Error::InvalidArgument(format!("chunk order {top_order} out of range for {range:#x}")));
+        }
+        Ok(Arena::empty(base, range, top_order))
+    }
+
+    fn new_checked(base: u64, range: u64) -> Result<(), Error> {
         if !range.is_power_of_two() || !(MIN_BLOCK..=1 << MAX_RANGE_ORDER).contains(&range) {
             return Err(Error::InvalidArgument(format!(
                 "arena range {range:#x} must be a power of two between 256 B and 2^{MAX_RANGE_ORDER} B"
@@ -126,19 +148,53 @@ impl Arena {
                 "arena base {base:#x} must be 256-byte aligned and the range must fit below 2^64"
             )));
         }
-        let top = range.trailing_zeros();
+        Ok(())
+    }
+
+    fn empty(base: u64, range: u64, top: u32) -> Arena {
         let free: Box<[HBitmap]> = (MIN_ORDER..=top).map(|k| HBitmap::new((range >> k) as usize)).collect();
-        let arena = Arena {
+        Arena {
             base,
             range,
             top,
+            top_free: AtomicUsize::new(0),
             free,
-            free_bytes: AtomicU64::new(range),
+            free_bytes: AtomicU64::new(0),
             in_flight: AtomicUsize::new(0),
             changes: AtomicUsize::new(0),
-        };
-        arena.bitmap(top).set(0);
-        Ok(arena)
+        }
+    }
+
+    /// The largest order a block reaches by merging (see [`Arena::chunked`]).
+    pub fn top_order(&self) -> u32 {
+        self.top
+    }
+
+    /// Give the arena the free top-order block `i` (bytes `[i << top, (i + 1) << top)` of the
+    /// range), which it did not hold. False if `i` is out of range or already free.
+    pub fn add_top(&self, i: usize) -> bool {
+        self.free_order(i, self.top).is_some()
+    }
+
+    /// Take back the top-order block `i` if it is wholly free now; true if this call took it.
+    pub fn take_top(&self, i: usize) -> bool {
+        if !self.bitmap(self.top).try_clear(i) {
+            return false;
+        }
+        self.top_free.fetch_sub(1, Ordering::AcqRel);
+        self.free_bytes.fetch_sub(1 << self.top, Ordering::AcqRel);
+        true
+    }
+
+    /// The lowest wholly free top-order block, if any (a hint: claim it with
+    /// [`Arena::take_top`]).
+    pub fn first_free_top(&self) -> Option<usize> {
+        self.bitmap(self.top).find_first_set()
+    }
+
+    /// Wholly free top-order blocks (a snapshot).
+    pub fn free_tops(&self) -> usize {
+        self.top_free.load(Ordering::Acquire)
     }
 
     /// The first address of the range.
@@ -164,6 +220,9 @@ impl Arena {
             let i = bits.find_first_set()?;
             let g = guard.then(|| InFlight::enter(self));
             if bits.try_clear(i) {
+                if k == self.top {
+                    self.top_free.fetch_sub(1, Ordering::AcqRel);
+                }
                 return Some((i, g));
             }
         }
@@ -189,13 +248,14 @@ impl Arena {
         None
     }
 
-    /// Free the block `i` of order `k`, merging with its buddies. False if the bit was
-    /// already free (a double free caught at this order; nothing changed).
-    fn free_order(&self, i: usize, k: u32) -> bool {
+    /// Free the block `i` of order `k`, merging with its buddies. Returns the (index, order)
+    /// of the free block the memory ended up in; None if the bit was already free (a double
+    /// free caught at this order; nothing changed) or `i` is out of range.
+    fn free_order(&self, i: usize, k: u32) -> Option<(usize, u32)> {
         let _g = InFlight::enter(self);
-        let Some(first) = self.bitmap(k).set(i) else { return false };
+        let first = self.bitmap(k).set(i)?;
         if first.was_set {
-            return false;
+            return None;
         }
         self.free_bytes.fetch_add(1 << k, Ordering::AcqRel);
         let (mut i, mut k, mut buddy) = (i, k, first.buddy_was_set);
@@ -210,14 +270,17 @@ impl Arena {
                 None => break,
             }
         }
-        true
+        if k == self.top {
+            self.top_free.fetch_add(1, Ordering::AcqRel);
+        }
+        Some((i, k))
     }
 
     /// Allocate `bytes`, rounded up to a multiple of 256: the lowest-addressed fit, aligned to
     /// the power of two at or above the rounded size. `None` for 0 bytes, more than the range,
     /// or when no free block can hold it.
     pub fn alloc(&self, bytes: u64) -> Option<u64> {
-        if bytes == 0 || bytes > self.range {
+        if bytes == 0 || bytes > 1 << self.top {
             return None;
         }
         let n = bytes.div_ceil(MIN_BLOCK) * MIN_BLOCK;
@@ -231,7 +294,8 @@ impl Arena {
                 while at < 1 << k {
                     let piece = at & at.wrapping_neg();
                     let pk = piece.trailing_zeros();
-                    self.free_order(((off + at) >> pk) as usize, pk);
+                    // Pieces of a block just claimed: their bits are clear, so these succeed.
+                    let _ = self.free_order(((off + at) >> pk) as usize, pk);
                     at += piece;
                 }
                 drop(guard);
@@ -258,24 +322,36 @@ impl Arena {
     /// address and size cannot be a block of this arena; false also when a piece was already
     /// free (a double free caught by the bitmaps; the other pieces are freed).
     pub fn free(&self, addr: u64, bytes: u64) -> bool {
-        if bytes == 0 || bytes > self.range || addr < self.base {
-            return false;
+        self.free_block(addr, bytes).is_some()
+    }
+
+    /// [`Arena::free`], saying also whether the free left a wholly free top-order block
+    /// (`Some(Some(i))`: block `i` of [`Arena::top_order`]), for a chunked arena whose owner
+    /// gives whole chunks back. None when the free was refused (as `free`'s false).
+    pub fn free_block(&self, addr: u64, bytes: u64) -> Option<Option<usize>> {
+        if bytes == 0 || bytes > 1 << self.top || addr < self.base {
+            return None;
         }
         let off = addr - self.base;
         let n = bytes.div_ceil(MIN_BLOCK) * MIN_BLOCK;
         let k = ceil_log2(n).max(MIN_ORDER);
         if off >= self.range || off % (1 << k) != 0 {
-            return false;
+            return None;
         }
         let mut at = off;
         let mut all = true;
+        let mut whole = None;
         for b in (MIN_ORDER..=k).rev() {
             if n & (1 << b) != 0 {
-                all &= self.free_order((at >> b) as usize, b);
+                match self.free_order((at >> b) as usize, b) {
+                    Some((i, order)) if order == self.top => whole = Some(i),
+                    Some(_) => {}
+                    None => all = false,
+                }
                 at += 1 << b;
             }
         }
-        all
+        all.then_some(whole)
     }
 
     /// The size of the largest free block (0 if none): exact when no operation is in flight.
@@ -304,6 +380,14 @@ impl Arena {
         let mut blocks = vec![];
         self.for_each_free(|a, l| blocks.push((a, l)));
         blocks == [(self.base, self.range)]
+    }
+
+    /// True when every free byte is in wholly free top-order blocks (fully coalesced), by a
+    /// walk: what a chunked arena must show once quiet.
+    pub fn is_coalesced(&self) -> bool {
+        let mut partial = false;
+        self.for_each_free(|_, l| partial |= l != 1 << self.top);
+        !partial
     }
 }
 

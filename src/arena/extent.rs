@@ -114,6 +114,16 @@ impl std::fmt::Debug for Extents {
     }
 }
 
+/// What one walk of [`Extents::alloc_with`] found.
+enum Fit {
+    /// A candidate run starting at this granule.
+    At(u64),
+    /// The walk stopped inside a long run before finding one: walk again from this granule.
+    RestartAt(u64),
+    /// Nothing from where the walk started.
+    None,
+}
+
 /// Marks a claim or a free from `enter` to drop, so a failing walk knows bits may change.
 struct InFlight<'a> {
     ext: &'a Extents,
@@ -291,29 +301,6 @@ impl Extents {
         }
     }
 
-    /// The start of the first run of `k` free granules seen by one walk (from the hint, or
-    /// from word 0 when `from_zero`), raising the hint past the full words it saw.
-    fn first_fit(&self, k: u64, from_zero: bool) -> Option<u64> {
-        let seen = self.hint.load(Ordering::Acquire);
-        let from = if from_zero { 0 } else { (seen & HINT_INDEX) as usize };
-        let (mut first, mut found) = (None, None);
-        self.walk(from, k, &mut |s, l| {
-            first.get_or_insert(s);
-            if l >= k {
-                found = Some(s);
-                return false;
-            }
-            true
-        });
-        let to = first.map_or(self.words, |s| (s / BITS) as usize);
-        if to as u64 > seen & HINT_INDEX {
-            // Only from the value read before the walk: fails if a free lowered it meanwhile.
-            let _ =
-                self.hint.compare_exchange(seen, (seen & !HINT_INDEX) | to as u64, Ordering::AcqRel, Ordering::Acquire);
-        }
-        found
-    }
-
     /// Lower the hint to at most word `i`, bumping its sequence so no walk that started
     /// before can raise it past `i` again.
     fn lower_hint(&self, i: usize) {
@@ -369,33 +356,160 @@ impl Extents {
     /// free granules run in a row. `None` for 0 bytes, more than the range, or when no run
     /// fits (checked as the module docs say, so never only because of a race).
     pub fn alloc(&self, bytes: u64) -> Option<u64> {
-        if bytes == 0 || bytes > self.len {
+        self.alloc_with(bytes, 1, &mut |_, _| Ok(()))
+    }
+
+    /// [`Extents::alloc`] with two more conditions: the block starts at a multiple of
+    /// `align` granules (a power of two) from the range's base, and `accept(addr, len)` takes
+    /// it. `accept` judges state the allocator does not own (whose memory the granules were,
+    /// whether their pages are mapped): it returns `Err(bad)` when the byte at `bad` (inside
+    /// the block) rules the block out, and the search goes on past `bad`'s granule. It is
+    /// asked while searching, to skip what it would refuse without claiming, and asked again
+    /// once the block is claimed, which is the answer that counts: what it reads may change
+    /// until the granules are this call's. A block refused after its claim is given back
+    /// whole, exactly as it was. `None` when no free run satisfies both (confirmed as for
+    /// `alloc`: a walk from word 0 with nothing in flight and nothing changed but this call's
+    /// own give-backs).
+    pub fn alloc_with(
+        &self,
+        bytes: u64,
+        align: u64,
+        accept: &mut dyn FnMut(u64, u64) -> Result<(), u64>,
+    ) -> Option<u64> {
+        if bytes == 0 || bytes > self.len || !align.is_power_of_two() || align > self.granules {
             return None;
         }
         let k = bytes.div_ceil(self.granule());
-        let mut from_zero = false;
+        let len = k << self.shift;
+        // The granule past the one at `bad`, as the next candidate start.
+        let past = |bad: u64| (bad.saturating_sub(self.base) >> self.shift) + 1;
+        let (mut from_zero, mut restart) = (false, None::<u64>);
+        // Give-backs of refused blocks made by this call: `changes` moves by these alone
+        // when nobody else changed anything.
+        let mut own = 0usize;
+        let mut before = self.changes.load(Ordering::Acquire);
         loop {
-            let before = self.changes.load(Ordering::Acquire);
             fence(Ordering::SeqCst);
-            if let Some(start) = self.first_fit(k, from_zero) {
-                if self.claim(start, k) {
-                    self.free_bytes.fetch_sub(k << self.shift, Ordering::AcqRel);
-                    return Some(self.base + (start << self.shift));
+            let found = self.first_fit_with(k, align, from_zero, restart, &mut |g| {
+                accept(self.base + (g << self.shift), len).map_err(past)
+            });
+            match found {
+                Fit::At(start) => {
+                    if !self.claim(start, k) {
+                        // Lost the run to another claim: someone made progress; walk again.
+                        (from_zero, restart) = (false, None);
+                        continue;
+                    }
+                    let addr = self.base + (start << self.shift);
+                    match accept(addr, len) {
+                        Ok(()) => {
+                            self.free_bytes.fetch_sub(len, Ordering::AcqRel);
+                            return Some(addr);
+                        }
+                        Err(bad) => {
+                            self.unclaim(start, k);
+                            own += 1;
+                            restart = Some(past(bad).max(start + 1));
+                            continue;
+                        }
+                    }
                 }
-                // Lost the run to another claim: someone made progress; walk again.
-                from_zero = false;
-                continue;
+                Fit::RestartAt(g) => {
+                    restart = Some(g);
+                    continue;
+                }
+                Fit::None => {}
             }
             fence(Ordering::SeqCst);
             if from_zero {
-                if self.in_flight.load(Ordering::Acquire) == 0 && self.changes.load(Ordering::Acquire) == before {
+                // `in_flight` first: a claim or free in flight bumps `changes` before it
+                // leaves, so once it is seen gone its change is seen too.
+                let quiet = self.in_flight.load(Ordering::Acquire) == 0;
+                let now = self.changes.load(Ordering::Acquire);
+                if quiet && now == before.wrapping_add(own) {
                     return None;
                 }
                 spin_hint();
+                (before, own) = (now, 0);
             }
             // Confirm a failure with a walk from word 0: the hint may be high for a moment.
-            from_zero = true;
+            (from_zero, restart) = (true, None);
         }
+    }
+
+    /// One walk for [`Extents::alloc_with`]: from the hint (or word 0 when `from_zero`, or
+    /// granule `restart`), the first `align`-aligned run of `k` free granules that `accept`
+    /// (given a candidate's first granule) does not refuse; raises the hint past the full
+    /// words it saw.
+    fn first_fit_with(
+        &self,
+        k: u64,
+        align: u64,
+        from_zero: bool,
+        restart: Option<u64>,
+        accept: &mut dyn FnMut(u64) -> Result<(), u64>,
+    ) -> Fit {
+        let seen = self.hint.load(Ordering::Acquire);
+        let hint = (seen & HINT_INDEX) as usize;
+        let min_start = restart.unwrap_or(0);
+        let from = match restart {
+            Some(g) => ((g / BITS) as usize).max(if from_zero { 0 } else { hint }),
+            None if from_zero => 0,
+            None => hint,
+        };
+        // A run this long holds an aligned candidate wherever it starts, also when the first
+        // word's part before `restart` is cut off it (less than a word).
+        let stop_at = k + align - 1 + if restart.is_some() { BITS } else { 0 };
+        let (mut first, mut fit) = (None, Fit::None);
+        self.walk(from, stop_at, &mut |s, l| {
+            if restart.is_none() {
+                first.get_or_insert(s);
+            }
+            let end = s + l;
+            let mut c = s.max(min_start).next_multiple_of(align);
+            while c + k <= end {
+                match accept(c) {
+                    Ok(()) => {
+                        fit = Fit::At(c);
+                        return false;
+                    }
+                    Err(next) => c = next.max(c + 1).next_multiple_of(align),
+                }
+            }
+            if l >= stop_at {
+                // The walk stops at a run this long, which may go on past `end`: resume there.
+                fit = Fit::RestartAt(c);
+                return false;
+            }
+            true
+        });
+        if restart.is_none() {
+            let to = first.map_or(self.words, |s| (s / BITS) as usize);
+            if to as u64 > seen & HINT_INDEX {
+                // Only from the value read before the walk: fails if a free lowered it meanwhile.
+                let _ = self.hint.compare_exchange(
+                    seen,
+                    (seen & !HINT_INDEX) | to as u64,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+            }
+        }
+        fit
+    }
+
+    /// Give back granules `[start, start + k)` that this thread claimed and did not hand
+    /// out, as they were: clear its bits, lower the hint, and count the change for walks
+    /// that may have missed them meanwhile.
+    fn unclaim(&self, start: u64, k: u64) {
+        let mut guard = InFlight::enter(self);
+        for (i, mask) in segments(start, start + k) {
+            if let Some(w) = self.word(i, false) {
+                w.fetch_and(!mask, Ordering::AcqRel);
+            }
+        }
+        self.lower_hint((start / BITS) as usize);
+        guard.cleared = true;
     }
 
     /// Give back the block `[addr, addr + bytes rounded up to granules)`. False, with nothing

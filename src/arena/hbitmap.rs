@@ -22,23 +22,30 @@
 //!
 //! # Why the hints stay correct without a lock
 //!
-//! A setter sets its leaf bit, then `fetch_or`s the hint bit at every ancestor, bottom up.
-//! A searcher that finds a hint set over an empty child clears it with `fetch_and`, then
-//! re-reads the child, and if the child is non-empty sets the hint again and propagates it up
-//! to the root, exactly as a setter would. Every write to a summary word is an `AcqRel`
-//! read-modify-write, so all writes to one hint word form one modification order and each
-//! one synchronizes with the ones before it. Take a setter S and a clearer C of the same hint:
+//! A setter sets its leaf bit, then walks up the ancestors, bottom up: where the hint bit is
+//! already set it stops (whoever set it carries the hint on up), else it sets it with
+//! `fetch_or`. A searcher that finds a hint set over an empty child clears it with
+//! `fetch_and`, then re-reads the child *with a read-modify-write* (`fetch_or(0)`), and if
+//! the child is non-empty sets the hint again and walks up as a setter would. Every write to
+//! a hint or a leaf word is an `AcqRel` read-modify-write. Take a setter S, which made the
+//! child non-empty with an RMW and then read the hint, and a clearer C of that hint, which
+//! cleared it and then re-read the child with an RMW. The two RMWs on the child are ordered
+//! in the child's modification order:
 //!
-//! * S's `fetch_or` comes after C's `fetch_and` in that order: the hint ends set.
-//! * S's `fetch_or` comes before C's `fetch_and`: C's RMW reads a value S's RMW is part of the
-//!   release sequence of, so S's write to the child (sequenced before its `fetch_or`)
-//!   happens-before C's re-read of the child. C sees the child non-empty (or a later value,
+//! * C's re-read comes after S's write: it sees the child non-empty (or a later value,
 //!   written by someone who owns the hint from then on) and sets the hint again.
+//! * C's re-read comes before S's write: S's RMW reads from C's release RMW, so C's clearing
+//!   of the hint (sequenced before its re-read) happens-before S's read of the hint, which
+//!   then cannot see the hint still set: S sets it.
 //!
-//! Either way the hint is not lost. Because a re-setter propagates all the way up, the same
-//! argument holds level by level. No one ever waits for anyone: `set` is a bounded number of
-//! RMWs, `try_clear` one, and a search retries only when another thread changed the bitmap
-//! under it (lock-free, not wait-free).
+//! Either way the hint is not lost, and the same argument holds level by level (a setter
+//! that stops at a set hint relies on the one that set it, to which the argument applies in
+//! turn). The re-read must be an RMW: with a plain load, C's load and S's load could each
+//! miss the other's write (store buffering), and a set hint could be left over an empty
+//! summary. Stopping at a set hint makes a set one RMW in the common case, where the path
+//! is already hinted. No one ever waits for anyone: `set` is a bounded number of RMWs,
+//! `try_clear` one, and a search retries only when another thread changed the bitmap under
+//! it (lock-free, not wait-free).
 //!
 //! The search answer is a hint too: the lowest index that was set at some moment during the
 //! search; callers claim it with [`HBitmap::try_clear`] and search again if they lose.
@@ -196,10 +203,15 @@ impl HBitmap {
         }
     }
 
-    /// Set the hint bits along `path`, bottom up: after making a child non-empty.
+    /// Set the hint bits along `path`, bottom up, after making a child non-empty with an RMW:
+    /// stop at the first hint already set (see the module docs for why that is enough).
     fn mark_up(path: &[(&Node, usize)]) {
         for (node, c) in path.iter().rev() {
-            node.summary.fetch_or(1u64 << c, Ordering::AcqRel);
+            let bit = 1u64 << c;
+            if node.summary.load(Ordering::Acquire) & bit != 0 {
+                return;
+            }
+            node.summary.fetch_or(bit, Ordering::AcqRel);
         }
     }
 
@@ -278,7 +290,8 @@ impl HBitmap {
                 }
                 let (parent, c) = path[depth - 1];
                 parent.summary.fetch_and(!(1u64 << c), Ordering::AcqRel);
-                if node.summary.load(Ordering::Acquire) != 0 {
+                // An RMW, not a load: see the module docs.
+                if node.summary.fetch_or(0, Ordering::AcqRel) != 0 {
                     Self::mark_up(&path[..depth]);
                     continue;
                 }
@@ -302,7 +315,8 @@ impl HBitmap {
                         return Some(start + (c << shift) + w.trailing_zeros() as usize);
                     }
                     node.summary.fetch_and(!(1u64 << c), Ordering::AcqRel);
-                    if word.load(Ordering::Acquire) != 0 {
+                    // An RMW, not a load: see the module docs.
+                    if word.fetch_or(0, Ordering::AcqRel) != 0 {
                         path[depth] = (node, c);
                         Self::mark_up(&path[..=depth]);
                     }

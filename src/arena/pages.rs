@@ -445,6 +445,24 @@ impl PageMap {
             .is_some_and(|w| w.load(Ordering::Acquire) & STATE == MAPPED)
     }
 
+    /// The lowest mapped page at or above `addr`, if any: a scan of the page words (whole
+    /// chunks never made are skipped at once), for placements that look for mapped memory.
+    pub fn next_mapped(&self, addr: u64) -> Option<u64> {
+        let mut p = (addr.checked_sub(self.base)? >> self.page_shift) as usize;
+        while p < self.words.len() {
+            let Some(chunk) = self.words.chunk(p / CHUNK) else {
+                p = (p / CHUNK + 1) * CHUNK;
+                continue;
+            };
+            let start = p % CHUNK;
+            if let Some(j) = chunk[start..].iter().position(|w| w.load(Ordering::Acquire) & STATE == MAPPED) {
+                return Some(self.page_addr(p - start + start + j));
+            }
+            p = (p / CHUNK + 1) * CHUNK;
+        }
+        None
+    }
+
     /// Call `f(page_addr, count)` for every mapped page, lowest first: a walk, for checks.
     pub fn for_each_mapped(&self, mut f: impl FnMut(u64, u64)) {
         for c in 0..self.words.chunks() {

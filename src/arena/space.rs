@@ -1,86 +1,282 @@
-//! The pool's address space: the buddy [`Arena`] for small blocks and the first-fit
-//! [`Extents`] for large ones, each over one half of the reserved range.
+//! The pool's address space (tier T3): one first-fit extent allocator over the whole reserved
+//! range, the fence of every free granule, and which stream owns each chunk of small blocks.
 //!
-//! Buddy placement aligns a block to the next power of two above its size; for a block of a
-//! few MiB the tail of its last page then serves only small blocks, and on real traces those
-//! tails are most of the waste (gpt2_decode: 1.112 peak mapped ÷ peak live with buddy
-//! placement everywhere). Blocks of `large` bytes and more go instead to a first-fit
-//! allocator of 64 KiB granules, where the next block starts where the previous one ended
-//! (the sequential model gives 1.003). Small blocks keep the buddy: most allocations, fast,
-//! exact to 256 bytes. Both halves are lock-free; this type only routes by size, and frees by
-//! address.
+//! # What it owns
+//!
+//! * [`Extents`] of [`GRANULE`]s over `[base, base + len)`: blocks of `large` bytes and more
+//!   are placed there first fit, end to end (the next block starts where the last ended, so
+//!   no page tail is left to small blocks only); so are the 2 MiB chunks ([`CHUNK`]) that
+//!   streams hold for their small blocks (each stream's [`super::StreamArena`]).
+//! * One fence word per granule (`crate::reclaim::fence`): for a free granule, the stream
+//!   that freed it and the event number that makes it safe for other streams, packed by
+//!   [`fence_word`]; 0 is "free for everyone". A granule's fence is written by the thread
+//!   that frees it, *before* the granule's bit is cleared, and read by an allocator only
+//!   after it saw the bit clear (or after claiming it), so the pair is ordered by the
+//!   bitmap word's release/acquire.
+//! * One owner word per chunk: the stream (its pool-local slot) and the local index under
+//!   which it holds the chunk, written before the chunk serves blocks and cleared after it
+//!   stopped, so a free finds its block's arena from the address alone.
+//!
+//! # Why
+//!
+//! One range for every size keeps pages shared: a page wholly free of large blocks can hold
+//! a chunk, and the other way round, with no page traded between halves of the range. The
+//! fences let freed memory go back at once — reusable by its own stream straight away, by
+//! another once the fence's event is complete or the other stream waits on it on the
+//! device — instead of waiting in a batch for the host to see an event.
+//!
+//! Lock-free as its parts are: the extents are CAS walks, fences and owners single words.
 
-use super::{Arena, Extents};
+use super::extent::Extents;
+pub use super::stream::{CHUNK, CHUNK_ORDER};
+use super::words::LazyWords;
 use crate::error::{Error, Result};
+use crate::sync::atomic::Ordering;
 
-/// Granule of the large-block half.
+/// Granule of the extents: every large block's address and size are multiples of it.
 pub const GRANULE: u64 = 64 << 10;
+const GRANULE_SHIFT: u32 = GRANULE.trailing_zeros();
+/// Bits of a fence word for the event number; the stream's slot is above them.
+pub const SEQ_BITS: u32 = 44;
+/// The most stream slots a pool gives out (slot 0 means "free for everyone").
+pub const MAX_SLOTS: u32 = (1 << (64 - SEQ_BITS)) - 1;
 
-/// The two halves of the reserved range.
-#[derive(Debug)]
+/// The fence word of memory freed on the stream of `slot` (1..=[`MAX_SLOTS`]) that is safe
+/// for other streams once that stream's event number `seq` is complete.
+#[inline]
+pub fn fence_word(slot: u32, seq: u64) -> u64 {
+    (u64::from(slot) << SEQ_BITS) | (seq & ((1 << SEQ_BITS) - 1))
+}
+
+/// (slot, seq) of a fence word; slot 0 is memory free for everyone.
+#[inline]
+pub fn fence_parts(word: u64) -> (u32, u64) {
+    ((word >> SEQ_BITS) as u32, word & ((1 << SEQ_BITS) - 1))
+}
+
+/// The address space of a pool. See the module docs.
 pub struct Space {
-    small: Arena,
-    large: Extents,
-    /// Where the large half starts.
-    split: u64,
-    /// Requests of this many bytes or more go to the large half.
-    threshold: u64,
+    base: u64,
+    len: u64,
+    extents: Extents,
+    /// One per granule.
+    fences: LazyWords,
+    /// One per chunk: `(slot << 32 | idx) + 1`, or 0.
+    owners: LazyWords,
+    large: u64,
+}
+
+impl std::fmt::Debug for Space {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Space").field("base", &self.base).field("len", &self.len).finish_non_exhaustive()
+    }
 }
 
 impl Space {
-    /// `[base, base + range)`, `range` a power of two: the lower half for blocks under
-    /// `threshold` bytes, the upper half for the rest.
-    pub fn new(base: u64, range: u64, threshold: u64) -> Result<Space> {
-        if range < 2 * GRANULE || !range.is_power_of_two() {
-            return Err(Error::InvalidArgument(format!("address range {range:#x} is not a power of two ≥ 128 KiB")));
+    /// The space over `[base, base + len)`: both multiples of [`CHUNK`], `len` at least one
+    /// chunk. Blocks of `large` bytes and more are large (placed in the extents directly).
+    pub fn new(base: u64, len: u64, large: u64) -> Result<Space> {
+        if base % CHUNK != 0 || len % CHUNK != 0 || len == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "space [{base:#x}, +{len:#x}) must be whole chunks of {CHUNK:#x} bytes"
+            )));
         }
-        let half = range / 2;
         Ok(Space {
-            small: Arena::new(base, half)?,
-            large: Extents::new(base + half, half, GRANULE)?,
-            split: base + half,
-            threshold: threshold.max(GRANULE),
+            base,
+            len,
+            extents: Extents::new(base, len, GRANULE)?,
+            fences: LazyWords::new((len >> GRANULE_SHIFT) as usize),
+            owners: LazyWords::new((len >> CHUNK_ORDER) as usize),
+            large: large.clamp(GRANULE, CHUNK),
         })
     }
 
-    /// The bytes a request of `bytes` occupies (rounded to 256 bytes, or to the large half's
-    /// granule): what [`Space::alloc`] and [`Space::free`] are given.
+    /// The first address.
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
+    /// Bytes covered.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether it covers no byte (never, for a space [`Space::new`] made).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether a block of `size` bytes goes to the extents (else to a stream's chunks).
+    #[inline]
+    pub fn is_large(&self, size: u64) -> bool {
+        size >= self.large
+    }
+
+    /// The bytes a request of `bytes` occupies: whole granules for a large block, 256-byte
+    /// multiples otherwise. None on overflow.
     pub fn size_for(&self, bytes: u64) -> Option<u64> {
-        let align = if bytes >= self.threshold { GRANULE } else { crate::pool::ALIGN };
+        let align = if self.is_large(bytes) { GRANULE } else { crate::pool::ALIGN };
         bytes.checked_next_multiple_of(align)
     }
 
-    /// Place `size` bytes (as [`Space::size_for`] gives).
-    pub fn alloc(&self, size: u64) -> Option<u64> {
-        if size >= self.threshold {
-            self.large.alloc(size)
-        } else {
-            self.small.alloc(size)
+    /// A large block of `size` bytes (granules), first fit among the runs `accept` takes
+    /// (see [`Extents::alloc_with`]).
+    pub fn alloc_large(&self, size: u64, accept: &mut dyn FnMut(u64, u64) -> Result<(), u64>) -> Option<u64> {
+        self.extents.alloc_with(size, 1, accept)
+    }
+
+    /// A chunk (CHUNK-aligned), first fit among those `accept` takes.
+    pub fn alloc_chunk(&self, accept: &mut dyn FnMut(u64, u64) -> Result<(), u64>) -> Option<u64> {
+        self.extents.alloc_with(CHUNK, CHUNK / GRANULE, accept)
+    }
+
+    /// Call `f(granule address, fence word)` on every granule of `[addr, addr + len)`, lowest
+    /// first, until it returns false.
+    pub fn fences(&self, addr: u64, len: u64, mut f: impl FnMut(u64, u64) -> bool) {
+        let Some(off) = addr.checked_sub(self.base) else { return };
+        let (first, end) = (off >> GRANULE_SHIFT, (off + len).div_ceil(GRANULE));
+        for g in first..end {
+            // A granule whose word was never made was never freed by anyone: clean.
+            let w = self.fences.get(g as usize, false).map_or(0, |w| w.load(Ordering::Acquire));
+            if !f(self.base + (g << GRANULE_SHIFT), w) {
+                return;
+            }
         }
     }
 
-    /// Give back a block placed by [`Space::alloc`].
-    pub fn free(&self, addr: u64, size: u64) -> bool {
-        if addr >= self.split {
-            self.large.free(addr, size)
-        } else {
-            self.small.free(addr, size)
+    /// Free `[addr, addr + size)` (a large block or a chunk this space handed out) with
+    /// `fence` on each of its granules. False, with nothing changed, if it is not one.
+    pub fn free(&self, addr: u64, size: u64, fence: u64) -> bool {
+        if !self.is_extent(addr, size) {
+            return false;
+        }
+        let (first, n) = ((addr - self.base) >> GRANULE_SHIFT, size.div_ceil(GRANULE));
+        for g in first..first + n {
+            if let Some(w) = self.fences.get(g as usize, fence != 0) {
+                // Release: an allocator that sees the granule free (the bitmap word's
+                // acquire, after the free's release) sees this fence.
+                w.store(fence, Ordering::Release);
+            }
+        }
+        self.extents.free(addr, size)
+    }
+
+    /// Give back a block claimed and not handed out, leaving its granules' fences as they
+    /// were (a device wait it needed could not be set up, say).
+    pub fn give_back(&self, addr: u64, size: u64) -> bool {
+        self.extents.free(addr, size)
+    }
+
+    /// Whether `[addr, addr + size)` is inside the space and granule-aligned.
+    fn is_extent(&self, addr: u64, size: u64) -> bool {
+        addr >= self.base
+            && (addr - self.base) % GRANULE == 0
+            && size > 0
+            && size <= self.len
+            && addr - self.base <= self.len - size
+    }
+
+    fn owner_word(&self, addr: u64, make: bool) -> Option<&crate::sync::atomic::AtomicU64> {
+        let off = addr.checked_sub(self.base).filter(|&o| o < self.len)?;
+        self.owners.get((off >> CHUNK_ORDER) as usize, make)
+    }
+
+    /// Say that the stream of `slot` holds the chunk at `chunk` under local index `idx`.
+    pub fn set_owner(&self, chunk: u64, slot: u32, idx: usize) {
+        if let Some(w) = self.owner_word(chunk, true) {
+            w.store(((u64::from(slot) << 32) | idx as u64) + 1, Ordering::Release);
         }
     }
 
-    /// Free bytes in both halves.
+    /// The chunk at `chunk` is no longer any stream's.
+    pub fn clear_owner(&self, chunk: u64) {
+        if let Some(w) = self.owner_word(chunk, false) {
+            w.store(0, Ordering::Release);
+        }
+    }
+
+    /// (slot, local index) of the stream that holds the chunk `addr` lies in, if any.
+    #[inline]
+    pub fn owner(&self, addr: u64) -> Option<(u32, usize)> {
+        let w = self.owner_word(addr, false)?.load(Ordering::Acquire).checked_sub(1)?;
+        Some(((w >> 32) as u32, (w & u64::from(u32::MAX)) as usize))
+    }
+
+    /// Free bytes of the extents (chunks held by streams count as used here).
     pub fn free_bytes(&self) -> u64 {
-        self.small.free_bytes() + self.large.free_bytes()
+        self.extents.free_bytes()
     }
 
-    /// The largest free block of either half (exact when quiet).
+    /// The largest free run of the extents (a walk, exact when quiet).
     pub fn largest_free(&self) -> u64 {
-        self.small.largest_free().max(self.large.largest_free())
+        self.extents.largest_free()
     }
 
-    /// Every free piece of both halves (exact when quiet).
-    pub fn for_each_free(&self, mut f: impl FnMut(u64, u64)) {
-        self.small.for_each_free(&mut f);
-        self.large.for_each_free(&mut f);
+    /// Every free run of the extents, lowest first (a walk, exact when quiet).
+    pub fn for_each_free(&self, f: impl FnMut(u64, u64)) {
+        self.extents.for_each_free(f);
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    const BASE: u64 = 1 << 40;
+
+    #[test]
+    fn fences_pack_and_unpack() {
+        assert_eq!(fence_parts(fence_word(5, 1234)), (5, 1234));
+        assert_eq!(fence_parts(fence_word(MAX_SLOTS, (1 << SEQ_BITS) - 1)), (MAX_SLOTS, (1 << SEQ_BITS) - 1));
+        assert_eq!(fence_parts(0), (0, 0));
+    }
+
+    #[test]
+    fn a_freed_block_carries_its_fence_until_claimed_and_freed_again() {
+        let s = Space::new(BASE, 64 * CHUNK, 2 * CHUNK).unwrap();
+        let a = s.alloc_large(3 * GRANULE, &mut |_, _| Ok(())).unwrap();
+        assert_eq!(a, BASE);
+        assert!(s.free(a, 3 * GRANULE, fence_word(2, 7)));
+        let mut seen = vec![];
+        s.fences(a, 4 * GRANULE, |g, f| {
+            seen.push((g - BASE, f));
+            true
+        });
+        let f = fence_word(2, 7);
+        assert_eq!(seen, vec![(0, f), (GRANULE, f), (2 * GRANULE, f), (3 * GRANULE, 0)]);
+        // Refused for its fence: the search goes on past the granule.
+        let b = s.alloc_large(GRANULE, &mut |g, _| if g < BASE + 3 * GRANULE { Err(g) } else { Ok(()) });
+        assert_eq!(b, Some(BASE + 3 * GRANULE));
+        assert!(!s.free(BASE + 1, GRANULE, 0), "misaligned");
+        assert!(!s.free(BASE + 64 * CHUNK, GRANULE, 0), "outside");
+    }
+
+    #[test]
+    fn chunks_are_aligned_and_their_owner_is_found_from_any_address_in_them() {
+        let s = Space::new(BASE, 64 * CHUNK, 2 * CHUNK).unwrap();
+        let x = s.alloc_large(GRANULE, &mut |_, _| Ok(())).unwrap();
+        let c = s.alloc_chunk(&mut |_, _| Ok(())).unwrap();
+        assert_eq!((x, c), (BASE, BASE + CHUNK), "the chunk starts at the next chunk boundary");
+        assert_eq!(s.alloc_large(GRANULE, &mut |_, _| Ok(())), Some(BASE + GRANULE), "the gap serves large blocks");
+        s.set_owner(c, 3, 9);
+        assert_eq!(s.owner(c + 12345), Some((3, 9)));
+        assert_eq!(s.owner(x), None);
+        s.clear_owner(c);
+        assert_eq!(s.owner(c), None);
+        assert_eq!(s.owner(BASE - 1), None);
+    }
+
+    #[test]
+    fn a_give_back_keeps_the_fences() {
+        let s = Space::new(BASE, 8 * CHUNK, 2 * CHUNK).unwrap();
+        let a = s.alloc_large(GRANULE, &mut |_, _| Ok(())).unwrap();
+        s.free(a, GRANULE, fence_word(1, 3));
+        let b = s.alloc_large(GRANULE, &mut |_, _| Ok(())).unwrap();
+        assert_eq!(a, b);
+        assert!(s.give_back(b, GRANULE));
+        s.fences(a, GRANULE, |_, f| {
+            assert_eq!(f, fence_word(1, 3));
+            true
+        });
     }
 }

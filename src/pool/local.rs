@@ -179,7 +179,7 @@ impl ThreadCache {
         self.shrink_budget();
         self.shared.exit();
         if !spilled.is_empty() {
-            self.pool.retire_cached(&self.stream, spilled);
+            self.pool.free_cached(&self.stream, spilled);
         }
         hit
     }
@@ -245,7 +245,7 @@ impl ThreadCache {
         let (Some(&cap), Some(depot)) = (pool.hot.caps.get(slot.class), self.stream.depots.get(slot.class)) else {
             // Not a cached class (blocks of those carry no class): never kept.
             self.shared.exit();
-            pool.retire_span(&self.stream, crate::reclaim::Span { addr, size: slot.size });
+            pool.release(&self.stream, crate::reclaim::Span { addr, size: slot.size });
             return;
         };
         let slot = Slot { cap: cap as usize, ..slot };
@@ -258,7 +258,7 @@ impl ThreadCache {
         self.shared.exit();
         if let Spill::Retire(addrs) = spill {
             for a in addrs {
-                pool.retire_span(&self.stream, crate::reclaim::Span { addr: a, size: slot.size });
+                pool.release(&self.stream, crate::reclaim::Span { addr: a, size: slot.size });
             }
         }
     }
@@ -273,7 +273,7 @@ impl ThreadCache {
         unsafe { self.shared.drain(&self.stream.depots, to_depots, |c, a| out.push((c, a)), &guard) };
         self.pool.release_budget(&self.shared);
         self.shared.exit();
-        self.pool.retire_cached(&self.stream, out);
+        self.pool.free_cached(&self.stream, out);
     }
 
     /// Move about `target` bytes of the `classes` out to the stream's retire queue, largest
@@ -285,7 +285,7 @@ impl ThreadCache {
         let moved = unsafe { self.shared.drain_some(target, classes, |c, a| out.push((c, a))) };
         self.shrink_budget();
         self.shared.exit();
-        self.pool.retire_cached(&self.stream, out);
+        self.pool.free_cached(&self.stream, out);
         moved
     }
 }

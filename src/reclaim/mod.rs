@@ -1,24 +1,19 @@
-//! Stream-ordered reclamation: where freed blocks wait until no stream can still use them.
+//! Stream-ordered reclamation: how freed memory becomes safe for other streams.
 //!
-//! Each stream the pool has seen owns a [`StreamRetire`]:
+//! - [`fence`]: memory freed on a stream is stamped with a fence, the number of the next
+//!   event to be recorded on that stream; it is reusable at once on the same stream and by
+//!   another stream once that event is complete, or once the other stream waits on it on
+//!   the device. Events are recorded only when another stream needs one, so one event
+//!   covers every free on its stream before it.
+//! - [`Retire`]: blocks used on several streams (`record_stream`) wait, each behind one
+//!   event per stream it was used on, in a queue of [`Batch`]es; pollers test the oldest
+//!   batch's events and stop at the first incomplete one.
 //!
-//! - **open**: blocks freed on the stream since its last batch closed, in a push-only,
-//!   take-all [`Stack`]. They may be reused *on the same stream* at once — stream order
-//!   already serialises the old use before the new one — and pushing never calls the
-//!   device, so a free inside a host function or a thread-local destructor is safe: the open
-//!   stack is also the deferred list that the next slow path drains.
-//! - **pending**: closed batches in a [`Fifo`], each guarded by ONE event recorded on the
-//!   stream when the batch closed (one `cuEventRecord` per batch, never one per free).
-//!   Pollers test the oldest batch's event and stop at the first incomplete one.
-//!
-//! A batch whose event is `None` completes as soon as it is the oldest: it holds blocks freed
-//! after their stream was destroyed (the stream's final batch, ahead of it, carries the event
-//! that covers every piece of work the stream ever ran).
-//!
-//! Lock-free because frees come from every worker thread at once; the FIFO's nodes are
-//! reclaimed with crossbeam-epoch since pollers read a batch's event while another thread may
-//! be popping it. `E` is the event type, generic so that loom models can use a fake event.
+//! Lock-free because frees come from every worker thread at once; the queues' nodes are
+//! reclaimed with crossbeam-epoch since pollers read a batch's event while another thread
+//! may be popping it. Event types are generic so that loom models can use fake events.
 
+pub mod fence;
 pub mod fifo;
 pub mod stack;
 
@@ -81,94 +76,29 @@ impl<E> Batch<E> {
     }
 }
 
-/// The retire state of one stream.
-pub struct StreamRetire<E> {
-    open: Stack<Span>,
-    open_blocks: AtomicU64,
-    open_bytes: AtomicU64,
+/// Blocks waiting for their batch's events, oldest batch first.
+pub struct Retire<E> {
     pending: Fifo<Batch<E>>,
     pending_bytes: AtomicU64,
 }
 
-impl<E: Send + Sync> Default for StreamRetire<E> {
+impl<E: Send + Sync> Default for Retire<E> {
     fn default() -> Self {
         Self::new()
     }
 }
 
-impl<E: Send + Sync> StreamRetire<E> {
+impl<E: Send + Sync> Retire<E> {
     /// Empty.
     pub fn new() -> Self {
-        StreamRetire {
-            open: Stack::new(),
-            open_blocks: AtomicU64::new(0),
-            open_bytes: AtomicU64::new(0),
-            pending: Fifo::new(),
-            pending_bytes: AtomicU64::new(0),
-        }
+        Retire { pending: Fifo::new(), pending_bytes: AtomicU64::new(0) }
     }
 
-    /// A block freed on this stream joins the open batch. Returns the open batch's block
-    /// count and bytes after the push (the caller decides whether to close it).
-    pub fn free(&self, span: Span) -> (u64, u64) {
-        // Counters first: a closer that takes the span must find them covering it, so they
-        // never go below zero.
-        let blocks = self.open_blocks.fetch_add(1, Ordering::AcqRel) + 1;
-        let bytes = self.open_bytes.fetch_add(span.size, Ordering::AcqRel) + span.size;
-        self.open.push(span);
-        (blocks, bytes)
-    }
-
-    /// Take an open block that `fits`, for an allocation on this same stream.
-    pub fn reuse(&self, fits: impl FnMut(&Span) -> bool) -> Option<Span> {
-        if self.open.is_empty() {
-            return None;
-        }
-        let mut chain = self.open.take_all();
-        let found = chain.take_first(fits);
-        self.open.push_chain(chain);
-        if let Some(s) = found {
-            self.open_blocks.fetch_sub(1, Ordering::AcqRel);
-            self.open_bytes.fetch_sub(s.size, Ordering::AcqRel);
-        }
-        found
-    }
-
-    /// Close the open batch: take its blocks, get an event for them from `record` (which
-    /// records it on the stream), and queue the batch. If `record` fails the blocks go back
-    /// to the open batch and the error is returned. Returns the bytes closed.
-    pub fn close<Er>(&self, record: impl FnOnce() -> Result<Option<E>, Er>, guard: &Guard) -> Result<u64, Er> {
-        let chain = self.open.take_all();
-        if chain.is_empty() {
-            return Ok(0);
-        }
-        let event = match record() {
-            Ok(e) => e,
-            Err(e) => {
-                self.open.push_chain(chain);
-                return Err(e);
-            }
-        };
-        let spans: Vec<Span> = chain.collect();
-        Ok(self.queue(event, spans, true, guard))
-    }
-
-    /// Queue spans that are not in the open batch behind an event (or none).
+    /// Queue `spans` behind `event` (None: released as soon as the batch is the oldest).
+    /// Returns the bytes queued.
     pub fn queue_batch(&self, event: Option<E>, spans: Vec<Span>, guard: &Guard) -> u64 {
-        self.queue(event, spans, false, guard)
-    }
-
-    fn queue(&self, event: Option<E>, spans: Vec<Span>, from_open: bool, guard: &Guard) -> u64 {
         let batch = Batch::new(event, spans);
         let bytes = batch.bytes;
-        if from_open {
-            let n = batch.spans.with(|v| {
-                // SAFETY: the batch is not shared yet.
-                unsafe { (*v).len() as u64 }
-            });
-            self.open_blocks.fetch_sub(n, Ordering::AcqRel);
-            self.open_bytes.fetch_sub(bytes, Ordering::AcqRel);
-        }
         self.pending_bytes.fetch_add(bytes, Ordering::AcqRel);
         self.pending.push(batch, guard);
         bytes
@@ -211,31 +141,13 @@ impl<E: Send + Sync> StreamRetire<E> {
         !self.pending.is_empty(guard)
     }
 
-    /// Bytes in the open batch (reusable on this stream).
-    pub fn open_bytes(&self) -> u64 {
-        self.open_bytes.load(Ordering::Acquire)
-    }
-
-    /// Blocks in the open batch.
-    pub fn open_blocks(&self) -> u64 {
-        self.open_blocks.load(Ordering::Acquire)
-    }
-
     /// Bytes in pending batches.
     pub fn pending_bytes(&self) -> u64 {
         self.pending_bytes.load(Ordering::Acquire)
     }
 
-    /// Visit every span held, open or pending (for checks on a quiet pool).
+    /// Visit every span held (for checks on a quiet pool).
     pub fn for_each_span(&self, mut f: impl FnMut(Span), guard: &Guard) {
-        let chain = self.open.take_all();
-        let spans: Vec<Span> = chain.collect();
-        for s in &spans {
-            f(*s);
-        }
-        for s in spans {
-            self.open.push(s);
-        }
         self.pending.for_each(|b| b.for_each_span(&mut f), guard);
     }
 }
@@ -251,53 +163,34 @@ mod tests {
     }
 
     #[test]
-    fn a_closed_batch_is_released_only_once_its_event_completes() {
-        let r: StreamRetire<AtomicBool> = StreamRetire::new();
+    fn a_batch_is_released_only_once_its_event_completes() {
+        let r: Retire<AtomicBool> = Retire::new();
         let g = epoch::pin();
-        r.free(span(0));
-        r.free(span(256));
-        assert_eq!(r.open_bytes(), 512);
-        assert_eq!(r.close(|| Ok::<_, ()>(Some(AtomicBool::new(false))), &g), Ok(512));
-        assert_eq!((r.open_bytes(), r.pending_bytes()), (0, 512));
+        assert_eq!(r.queue_batch(Some(AtomicBool::new(false)), vec![span(0), span(256)], &g), 512);
         let mut out = vec![];
         assert_eq!(r.poll(|e| e.load(Ordering::Acquire), |s| out.push(s), &g), (0, 0));
         r.with_oldest_event(|e| e.store(true, Ordering::Release), &g);
         assert_eq!(r.poll(|e| e.load(Ordering::Acquire), |s| out.push(s), &g), (1, 512));
-        out.sort_by_key(|s| s.addr);
         assert_eq!(out, vec![span(0), span(256)]);
         assert_eq!(r.pending_bytes(), 0);
     }
 
     #[test]
     fn polling_stops_at_the_first_incomplete_batch() {
-        let r: StreamRetire<AtomicBool> = StreamRetire::new();
+        let r: Retire<AtomicBool> = Retire::new();
         let g = epoch::pin();
-        r.free(span(0));
-        r.close(|| Ok::<_, ()>(Some(AtomicBool::new(false))), &g).unwrap();
-        r.free(span(256));
-        r.close(|| Ok::<_, ()>(Some(AtomicBool::new(true))), &g).unwrap();
+        r.queue_batch(Some(AtomicBool::new(false)), vec![span(0)], &g);
+        r.queue_batch(Some(AtomicBool::new(true)), vec![span(256)], &g);
         let mut n = 0;
         assert_eq!(r.poll(|e| e.load(Ordering::Acquire), |_| n += 1, &g).0, 0, "a newer complete batch must wait");
         assert_eq!(n, 0);
     }
 
     #[test]
-    fn a_failed_record_puts_the_blocks_back_in_the_open_batch() {
-        let r: StreamRetire<AtomicBool> = StreamRetire::new();
-        let g = epoch::pin();
-        r.free(span(0));
-        assert_eq!(r.close(|| Err("not permitted"), &g), Err("not permitted"));
-        assert_eq!(r.open_bytes(), 256);
-        assert_eq!(r.reuse(|s| s.size >= 256), Some(span(0)));
-        assert_eq!(r.open_bytes(), 0);
-    }
-
-    #[test]
     fn a_batch_without_an_event_waits_only_for_older_batches() {
-        let r: StreamRetire<AtomicBool> = StreamRetire::new();
+        let r: Retire<AtomicBool> = Retire::new();
         let g = epoch::pin();
-        r.free(span(0));
-        r.close(|| Ok::<_, ()>(Some(AtomicBool::new(false))), &g).unwrap();
+        r.queue_batch(Some(AtomicBool::new(false)), vec![span(0)], &g);
         r.queue_batch(None, vec![span(512)], &g);
         assert_eq!(r.poll(|e| e.load(Ordering::Acquire), |_| {}, &g).0, 0);
         r.with_oldest_event(|e| e.store(true, Ordering::Release), &g);

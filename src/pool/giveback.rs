@@ -1,0 +1,275 @@
+//! How memory the pool holds but no block uses goes back towards the arena: caches and depots
+//! flushed, idle threads' caches taken, wholly free chunks returned to the space, fences
+//! settled by polling events (and, as a last resort, by the host waiting on them), blocks of
+//! several streams released once their events complete, and free pages unmapped. The
+//! out-of-memory ladder ([`super::ladder`]) and `trim()` are made of these steps.
+
+use super::local;
+use super::place::KEEP_FREE_CHUNKS;
+use super::{PoolInner, StreamState};
+use crate::class;
+use crate::device::Stream;
+use crate::reclaim::Span;
+use crate::stats::Counters;
+use crate::sync::epoch;
+
+impl PoolInner {
+    /// Blocks taken out of a cache of `st`'s stream, as (class, address), back to the arena.
+    pub(crate) fn free_cached(&self, st: &StreamState, blocks: Vec<(usize, u64)>) {
+        for (class, addr) in blocks {
+            self.release(st, Span { addr, size: class::size_of_class(class) });
+        }
+    }
+
+    /// One stream's depots of the `classes` give their blocks back to the arena, largest
+    /// classes first, until at least `target` bytes have moved. Returns the bytes moved.
+    pub(crate) fn flush_stream_depots(
+        &self,
+        st: &StreamState,
+        target: u64,
+        classes: std::ops::Range<usize>,
+        guard: &epoch::Guard,
+    ) -> u64 {
+        let mut moved = 0;
+        for (class, d) in st.depots.iter().enumerate().rev().filter(|(c, _)| classes.contains(c)) {
+            let size = class::size_of_class(class);
+            while moved < target && d.full_count() > 0 {
+                let Some(mut m) = d.take_full(guard) else { break };
+                moved += m.len() as u64 * size;
+                m.drain(|addr| self.release(st, Span { addr, size }));
+                d.put_empty(m, guard);
+            }
+            if moved >= target {
+                break;
+            }
+        }
+        moved
+    }
+
+    /// Every stream's depots of the `classes` give their blocks back, until at least `target`
+    /// bytes have moved (`u64::MAX`: all). Returns the bytes moved.
+    pub(crate) fn flush_depots(&self, target: u64, classes: std::ops::Range<usize>) -> u64 {
+        let guard = epoch::pin();
+        let mut moved = 0;
+        for st in self.states() {
+            if moved >= target {
+                break;
+            }
+            moved += self.flush_stream_depots(&st, target - moved, classes.clone(), &guard);
+        }
+        moved
+    }
+
+    /// Take the blocks of every thread cache whose owner is not inside an operation (the
+    /// calling thread's own included: it is not inside one). Returns the blocks taken.
+    pub(crate) fn steal_idle_caches(&self) -> u64 {
+        let guard = epoch::pin();
+        let mut taken = 0;
+        for (shared, st) in self.caches.load().iter() {
+            let mut out = Vec::new();
+            shared.try_steal(|c| {
+                // SAFETY: try_steal holds the handshake while this runs.
+                unsafe { c.drain(&st.depots, false, |cl, a| out.push((cl, a)), &guard) };
+                self.release_budget(c);
+            });
+            taken += out.len() as u64;
+            self.free_cached(st, out);
+        }
+        taken
+    }
+
+    /// Every stream's wholly free chunks back to the space (each stream keeps `keep`);
+    /// returns how many went.
+    pub(crate) fn return_all_free_chunks(&self, keep: usize) -> usize {
+        self.states().iter().map(|st| self.return_free_chunks(st, keep)).sum()
+    }
+
+    /// Rounds in which `st`'s cached blocks go back to its arena — this thread's cache for
+    /// it first, then the stream's depots; largest classes first (the ones caches hit
+    /// least); twice the request, then four, eight times, then all of them — each followed
+    /// by `attempt`. Before a large request's attempt the stream's wholly free chunks go back
+    /// to the space too (a large block is placed there). Stops at the first address
+    /// `attempt` gives, or when nothing is left to give back.
+    pub(crate) fn flush_rounds(
+        &self,
+        size: u64,
+        st: &StreamState,
+        own: Option<&local::ThreadCache>,
+        mut attempt: impl FnMut(&Self) -> crate::Result<Option<u64>>,
+    ) -> crate::Result<Option<u64>> {
+        let large = self.space.is_large(size);
+        let all = self.all_classes();
+        let mut target = size.saturating_mul(2).max(self.config.magazine_bytes);
+        for round in 0..4 {
+            if round == 3 {
+                target = u64::MAX;
+            }
+            let mut moved = own.map_or(0, |tc| tc.flush_some(target, all.clone()));
+            if moved < target {
+                moved += self.flush_stream_depots(st, target - moved, all.clone(), &epoch::pin());
+            }
+            let chunks = if large { self.return_free_chunks(st, 0) } else { 0 };
+            if moved == 0 && chunks == 0 && round > 0 {
+                break;
+            }
+            if let Some(a) = attempt(self)? {
+                return Ok(Some(a));
+            }
+            if moved == 0 {
+                break;
+            }
+            target = target.saturating_mul(2);
+        }
+        Ok(None)
+    }
+
+    /// What other streams hold and do not use goes back towards the arena, where this
+    /// stream may take it once its fence allows: every depot's blocks, every idle thread
+    /// cache's blocks, and every wholly free chunk beyond what each stream keeps (all of
+    /// them when `all`). Returns whether anything moved.
+    pub(crate) fn reclaim_held(&self, all: bool) -> bool {
+        let stolen = self.steal_idle_caches();
+        if stolen > 0 {
+            Counters::bump(&self.counters.ladder_steals, 1);
+        }
+        let flushed = self.flush_depots(u64::MAX, self.all_classes());
+        let chunks = self.return_all_free_chunks(if all { 0 } else { KEEP_FREE_CHUNKS });
+        stolen > 0 || flushed > 0 || chunks > 0
+    }
+
+    /// Poll what the device may have finished: every stream's events (so more fences are
+    /// complete) and the queue of blocks used on several streams (released once all their
+    /// events are complete). Returns whether anything became free for other streams.
+    pub(crate) fn settle(&self) -> bool {
+        self.drain_deferred();
+        let guard = epoch::pin();
+        let dev = &self.device;
+        let mut settled = false;
+        for e in self.registry.load().slots.iter() {
+            if !e.fence.has_pending(&guard) {
+                continue;
+            }
+            // No event on a stream being captured is polled: while it is, its events are
+            // graph nodes.
+            if !e.stream.is_destroyed() && dev.is_capturing(&e.stream).unwrap_or(true) {
+                continue;
+            }
+            settled |= e.fence.poll(|ev| dev.query_event(ev).unwrap_or(false), &guard);
+        }
+        let broken = self.config.break_event_guard_for_tests;
+        let (b, _) = self.cross.poll(
+            |evs| broken || evs.iter().all(|ev| dev.query_event(ev).unwrap_or(false)),
+            |s| self.release_clean(s),
+            &guard,
+        );
+        Counters::bump(&self.counters.batches_retired, b);
+        drop(guard);
+        self.prune_orphans();
+        if (settled || b > 0) && self.config.release_threshold != u64::MAX {
+            self.unmap_free(self.config.release_threshold);
+        }
+        settled || b > 0
+    }
+
+    /// The host waits, once per stream, for the work enqueued so far on each stream that
+    /// `wanted` names (recording an event there first if it has none), and for the oldest
+    /// batch of blocks used on several streams; then polls. The last resort before running
+    /// out of memory, and what `trim()` does before it unmaps. Returns whether it waited on
+    /// anything.
+    pub(crate) fn host_wait(&self, mut wanted: impl FnMut(&Stream) -> bool) -> bool {
+        let guard = epoch::pin();
+        let dev = &self.device;
+        let mut waited = false;
+        let reg = self.registry.load();
+        for e in reg.slots.iter() {
+            if !wanted(&e.stream) || e.fence.is_complete(e.fence.stamp()) {
+                continue;
+            }
+            let live = !e.stream.is_destroyed();
+            if live && (dev.is_capturing(&e.stream).unwrap_or(true) || self.record_on(e, &guard).is_err()) {
+                continue;
+            }
+            // The newest event covers every free stamped so far.
+            let newest = e.fence.claimed();
+            let ok = e.fence.covering(newest, |ev| dev.synchronize_event(ev).is_ok(), &guard);
+            if ok == Some(true) {
+                Counters::bump(&self.counters.ladder_waits, 1);
+                waited = true;
+            }
+        }
+        if let Some(r) =
+            self.cross.with_oldest_event(|evs| evs.iter().try_for_each(|ev| dev.synchronize_event(ev)), &guard)
+        {
+            waited |= r.is_ok();
+        }
+        drop(guard);
+        self.settle();
+        waited
+    }
+
+    /// Give back what the pool holds and does not use (see [`crate::Pool::trim`]).
+    pub(crate) fn trim(&self) -> crate::Result<()> {
+        local::flush(self);
+        self.steal_idle_caches();
+        self.flush_depots(u64::MAX, self.all_classes());
+        // Twice: blocks used on several streams, released by the first round's waits, may
+        // leave chunks wholly free, whose return stamps fences the second round waits for.
+        for _ in 0..2 {
+            self.drain_deferred();
+            self.return_all_free_chunks(0);
+            // Pages go only once no stream's work can touch them: wait for every stream's
+            // work up to now, and every batch of blocks used on several streams.
+            self.host_wait(|_| true);
+            let guard = epoch::pin();
+            while self.cross.has_pending(&guard) {
+                if !self.host_wait(|_| false) {
+                    break;
+                }
+            }
+        }
+        self.settle();
+        self.unmap_free(0);
+        Ok(())
+    }
+
+    pub(crate) fn free_cross(&self, span: Span, st: &StreamState, mut used_on: Vec<Stream>) {
+        used_on.push(st.stream.clone());
+        if let Err((span, used_on)) = self.retire_cross(span, used_on) {
+            self.deferred_cross.push((span, used_on));
+        }
+    }
+
+    /// Queue a block used on several streams behind one event per live stream.
+    #[allow(clippy::result_large_err)]
+    fn retire_cross(&self, span: Span, used_on: Vec<Stream>) -> std::result::Result<(), (Span, Vec<Stream>)> {
+        let mut events = Vec::with_capacity(used_on.len());
+        for s in &used_on {
+            if s.is_destroyed() {
+                // Its final event was recorded at destroy time and covers the block; waiting
+                // for the other streams' events is enough here because a destroyed stream
+                // runs nothing new.
+                continue;
+            }
+            let ev = match self.device.create_event() {
+                Ok(ev) => ev,
+                Err(_) => return Err((span, used_on)),
+            };
+            if self.device.record_event(&ev, s).is_err() {
+                return Err((span, used_on));
+            }
+            Counters::bump(&self.counters.events_recorded, 1);
+            events.push(ev);
+        }
+        self.cross.queue_batch(Some(events), vec![span], &epoch::pin());
+        Ok(())
+    }
+
+    /// `record_stream` blocks dropped where no device call was allowed get their events now.
+    pub(crate) fn drain_deferred(&self) {
+        for (span, used_on) in self.deferred_cross.take_all() {
+            if let Err(back) = self.retire_cross(span, used_on) {
+                self.deferred_cross.push(back);
+            }
+        }
+    }
+}

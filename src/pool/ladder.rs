@@ -1,0 +1,141 @@
+//! The out-of-memory ladder: what a miss does, in order, until the request fits.
+//!
+//! Each rung frees or finds memory and tries the arena again; the first that places the
+//! request wins. Before the pool maps past its peak, memory it already holds serves the
+//! request; the host waits only as the last step before out-of-memory:
+//!
+//! 1. **Ready memory on mapped pages**: the stream's own free memory (stream order makes it
+//!    safe at once), memory free for everyone, and memory other streams freed whose fence's
+//!    event is complete.
+//! 2. **Settle**: poll every stream's events and the queue of blocks used on several
+//!    streams; try again.
+//! 3. **This stream's caches**: this thread's cache for the stream and the stream's depots
+//!    give blocks back to its arena, in rounds (twice the request, four, eight times, then
+//!    everything), largest classes first; a large request also gets the stream's wholly
+//!    free chunks back in the space. Each round tries again.
+//! 4. **Map below the peak**: growth that holds no more memory than the pool held before.
+//! 5. **Other streams' idle memory**: every depot, every idle thread cache (taken through
+//!    the handshake, without its owner's help) and every wholly free chunk go back; settle,
+//!    and try again with what is ready.
+//! 6. **Device waits**: memory other streams freed whose events are not complete yet, with
+//!    this stream made to wait on those events on the device (`stream_wait_event`, as
+//!    `cuMemAllocAsync` does). Only here, where the alternative is to grow: a wait orders
+//!    two streams, which servers want to run independently. `PoolConfig::cross_stream_waits`
+//!    turns it off.
+//! 7. **Map past the peak**, up to `max_reserved`; with `trade_pages_on_map`, wholly free
+//!    pages mapped where the request does not fit are unmapped first, so the pool trades
+//!    pages rather than grow.
+//! 8. **Host waits**: on every stream's work so far and the oldest multi-stream batch, then
+//!    everything idle is reclaimed again, free pages are unmapped, and the request tried
+//!    with mapping; repeated while a round released something (at most [`LAST_ROUNDS`]):
+//!    at the limit, what the request needs is what other threads free meanwhile.
+//! 9. [`Error::OutOfMemory`], with the figures.
+
+use super::local;
+use super::place::{Mapping, Mode, Reuse};
+use super::{PoolInner, StreamState};
+use crate::error::{Error, OutOfMemory, Result};
+use crate::stats::Counters;
+
+/// Most rounds of the last rung before the pool gives up; it stops sooner after a round that
+/// released nothing.
+pub(crate) const LAST_ROUNDS: usize = 8;
+
+impl PoolInner {
+    /// Place `size` bytes for `st`, climbing the ladder as far as it must.
+    pub(crate) fn alloc_arena(
+        &self,
+        size: u64,
+        requested: usize,
+        st: &StreamState,
+        own: Option<&local::ThreadCache>,
+    ) -> Result<u64> {
+        let ready = Mode::READY;
+        let try_ready = |p: &Self| p.place(st, size, ready);
+        // 1.
+        if let Some(a) = self.place(st, size, ready)? {
+            return Ok(a);
+        }
+        // 2.
+        if self.settle() {
+            if let Some(a) = self.place(st, size, ready)? {
+                return Ok(a);
+            }
+        }
+        // 3.
+        Counters::bump(&self.counters.ladder_flushes, 1);
+        if let Some(a) = self.flush_rounds(size, st, own, try_ready)? {
+            return Ok(a);
+        }
+        // 4.
+        Counters::bump(&self.counters.ladder_maps, 1);
+        if let Some(a) = self.place(st, size, Mode { reuse: Reuse::Ready, mapping: Mapping::WithinPeak })? {
+            return Ok(a);
+        }
+        // 5.
+        if self.reclaim_held(false) | self.settle() {
+            if let Some(a) = self.place(st, size, ready)? {
+                return Ok(a);
+            }
+        }
+        // 6.
+        if self.config.cross_stream_waits {
+            if let Some(a) = self.place(st, size, Mode { reuse: Reuse::Wait, mapping: Mapping::Forbidden })? {
+                return Ok(a);
+            }
+        }
+        // 7.
+        if let Some(a) = self.map_past_peak(st, size)? {
+            return Ok(a);
+        }
+        // 8.
+        for _ in 0..LAST_ROUNDS {
+            let waited = self.host_wait(|s| s.id() != st.stream.id());
+            let released = self.reclaim_held(true);
+            self.unmap_free(0);
+            let allowed = Mode { reuse: Reuse::Ready, mapping: Mapping::Allowed };
+            if let Some(a) = self.place(st, size, allowed)? {
+                return Ok(a);
+            }
+            if !(waited || released) {
+                break;
+            }
+        }
+        // 9.
+        Counters::bump(&self.counters.ooms, 1);
+        let s = self.stats();
+        Err(Error::OutOfMemory(Box::new(OutOfMemory {
+            requested: requested as u64,
+            reserved: s.reserved_bytes,
+            allocated: s.allocated_bytes,
+            cached: s.cached_bytes,
+            retiring: s.retiring_bytes,
+            largest_free: s.largest_free_block,
+            max_reserved: self.max_reserved,
+        })))
+    }
+
+    /// Rung 7: map up to `max_reserved`. Mapping new pages while wholly free pages stay
+    /// mapped where the request did not fit would raise the footprint by memory the pool
+    /// does not use: past the peak, that many free pages are unmapped first (those no
+    /// stream's work can touch), so a mapping trades pages instead of growing the pool,
+    /// unless it grows for real. Below the peak nothing is traded: unmapping there would only
+    /// make the next miss map again, a driver call that serialises every thread mapping.
+    fn map_past_peak(&self, st: &StreamState, size: u64) -> Result<Option<u64>> {
+        let page = self.pages.page_size();
+        let past_peak = (self.pages.mapped_bytes() + size).saturating_sub(self.pages.peak_mapped_bytes());
+        if past_peak > 0 && self.config.trade_pages_on_map {
+            // Pages can go only once their fences are complete: learn which are.
+            self.settle();
+            let free = self.pages.free_mapped_pages() * page;
+            if free > 0 {
+                self.unmap_free(free.saturating_sub(past_peak.next_multiple_of(page)));
+            }
+        }
+        let got = self.place(st, size, Mode { reuse: Reuse::Ready, mapping: Mapping::Allowed })?;
+        // The peak of live bytes is a sample, taken when the pool maps and when `stats()`
+        // looks: summing every tier costs too much for every miss.
+        self.sample_peak();
+        Ok(got)
+    }
+}

@@ -1,0 +1,404 @@
+//! Placement and release: where the arena puts a block for a stream, and where a freed block
+//! goes.
+//!
+//! A small block (under `large_block_threshold`) comes from the stream's own arena
+//! ([`StreamArena`]), which takes a 2 MiB chunk from the space when it has no room; a large
+//! block, and a chunk, come from the space's extents, first fit among the runs that the
+//! placement's [`Mode`] accepts:
+//!
+//! - [`Reuse`]: whose freed memory may be taken. A granule freed on the requesting stream,
+//!   or free for everyone, always; one freed on another stream when its fence's event is
+//!   complete ([`Reuse::Ready`]), or also when it is not, with the requesting stream made to
+//!   wait on that event on the device ([`Reuse::Wait`]).
+//! - [`Mapping`]: whether the block may land on unmapped pages, and up to what: none
+//!   (prefer memory already mapped), the pool's peak, or `max_reserved`.
+//!
+//! A freed block goes back at once: a small one to its stream's arena (whole chunks beyond a
+//! few go back to the space), a large one to the space with its stream's fence on every
+//! granule. No event, no batch, no device call: frees inside host functions and thread-local
+//! destructors take this path too.
+
+use std::sync::Arc;
+
+use super::streams::Registry;
+use super::{PoolInner, StreamState};
+use crate::arena::{fence_parts, fence_word, Acquire, CHUNK};
+use crate::error::{Error, OutOfMemory, Result};
+use crate::reclaim::Span;
+use crate::stats::Counters;
+use crate::sync::atomic::Ordering;
+use crate::sync::epoch;
+
+/// Wholly free chunks a stream's arena keeps; more go back to the space as they fall free.
+/// Two keep a stream that allocates and frees small blocks from taking and giving back a
+/// chunk at every turn; the ladder takes kept chunks back when another stream needs them.
+pub(crate) const KEEP_FREE_CHUNKS: usize = 2;
+
+/// Whose freed memory a placement may take (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Reuse {
+    /// The stream's own, everyone's, and other streams' whose fence is complete.
+    Ready,
+    /// Also other streams' whose fence is not complete, behind a device-side wait.
+    Wait,
+}
+
+/// Which pages a placement may map (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mapping {
+    /// None: only memory on pages mapped already.
+    Forbidden,
+    /// Up to the pool's peak: growth that costs no memory the pool has not held before.
+    WithinPeak,
+    /// Up to `max_reserved`.
+    Allowed,
+}
+
+/// How a placement may find memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Mode {
+    pub(crate) reuse: Reuse,
+    pub(crate) mapping: Mapping,
+}
+
+impl Mode {
+    pub(crate) const READY: Mode = Mode { reuse: Reuse::Ready, mapping: Mapping::Forbidden };
+}
+
+/// Judges the fences of the granules a placement looks at, for one stream and one mode, and
+/// remembers the device waits the placement would need.
+struct Judge<'a> {
+    pool: &'a PoolInner,
+    me: u32,
+    reuse: Reuse,
+    reg: arc_swap::Guard<Arc<Registry>>,
+    /// The last fence word judged and the verdict (runs of granules share one).
+    memo: Option<(u64, bool)>,
+    /// (slot, seq) the placement must wait for, largest seq per slot.
+    waits: Vec<(u32, u64)>,
+    /// Whether a granule this stream freed itself was taken.
+    own: bool,
+}
+
+impl<'a> Judge<'a> {
+    fn new(pool: &'a PoolInner, me: u32, reuse: Reuse) -> Judge<'a> {
+        Judge { pool, me, reuse, reg: pool.registry.load(), memo: None, waits: Vec::new(), own: false }
+    }
+
+    fn fence_ok(&mut self, word: u64) -> bool {
+        if let Some((w, ok)) = self.memo {
+            if w == word {
+                return ok;
+            }
+        }
+        let ok = self.judge(word);
+        self.memo = Some((word, ok));
+        ok
+    }
+
+    fn judge(&mut self, word: u64) -> bool {
+        let (slot, seq) = fence_parts(word);
+        if slot == 0 {
+            return true;
+        }
+        if slot == self.me {
+            self.own = true;
+            return true;
+        }
+        if self.pool.config.break_event_guard_for_tests {
+            return true;
+        }
+        let Some(entry) = self.reg.slots.get(slot as usize - 1) else { return false };
+        if entry.fence.is_complete(seq) {
+            return true;
+        }
+        if self.reuse != Reuse::Wait || !self.pool.config.cross_stream_waits {
+            return false;
+        }
+        match self.waits.iter_mut().find(|w| w.0 == slot) {
+            Some(w) => w.1 = w.1.max(seq),
+            None => self.waits.push((slot, seq)),
+        }
+        true
+    }
+
+    /// Make `st`'s stream wait on the device for every event the placement needs. False if
+    /// one cannot be had (the other stream is being captured, or a device call failed).
+    fn settle(&self, st: &StreamState) -> bool {
+        let guard = epoch::pin();
+        let dev = &self.pool.device;
+        for &(slot, seq) in &self.waits {
+            let Some(entry) = self.reg.slots.get(slot as usize - 1) else { return false };
+            let wait = |ev: &crate::device::Event| dev.stream_wait_event(&st.stream, ev).is_ok();
+            let waited = match entry.fence.covering(seq, wait, &guard) {
+                Some(ok) => ok,
+                None if entry.fence.is_complete(seq) => continue,
+                None => {
+                    if self.pool.record_on(entry, &guard).is_err() {
+                        return false;
+                    }
+                    // A poller may have seen the new event complete (and dropped it) already.
+                    entry.fence.covering(seq, wait, &guard).unwrap_or_else(|| entry.fence.is_complete(seq))
+                }
+            };
+            if !waited {
+                return false;
+            }
+            Counters::bump(&self.pool.counters.device_waits, 1);
+        }
+        true
+    }
+}
+
+impl PoolInner {
+    /// Place `size` bytes (as `Space::size_for` gives) for `st`'s stream: the address, or None
+    /// when `mode` finds no room (nothing changed then).
+    pub(crate) fn place(&self, st: &StreamState, size: u64, mode: Mode) -> Result<Option<u64>> {
+        if self.space.is_large(size) {
+            return self.claim_extent(st, size, false, mode);
+        }
+        // Other threads may fill a chunk this one just added: try a few times.
+        for _ in 0..3 {
+            if let Some(a) = st.arena.alloc(size) {
+                return Ok(Some(a));
+            }
+            let Some(chunk) = self.claim_extent(st, CHUNK, true, mode)? else { return Ok(None) };
+            if !self.adopt_chunk(st, chunk) {
+                return Ok(None);
+            }
+        }
+        Ok(st.arena.alloc(size))
+    }
+
+    /// A run of the space for `st` (a large block of `size` bytes, or a chunk), its pages
+    /// taken and any device wait it needs set up.
+    fn claim_extent(&self, st: &StreamState, size: u64, chunk: bool, mode: Mode) -> Result<Option<u64>> {
+        let mut judge = Judge::new(self, st.slot, mode.reuse);
+        let page = self.pages.page_size();
+        let pages = &self.pages;
+        let mut accept = |addr: u64, len: u64| -> std::result::Result<(), u64> {
+            // Each call judges afresh: only the last one (after the claim) counts, and its
+            // waits are the ones to set up.
+            judge.waits.clear();
+            judge.memo = None;
+            judge.own = false;
+            if mode.mapping == Mapping::Forbidden {
+                let mut p = addr / page * page;
+                while p < addr + len {
+                    if !pages.is_mapped(p) {
+                        // Skip every unmapped page from here at once: the untouched rest of
+                        // the range is one free run.
+                        return Err(pages.next_mapped(p).map_or(u64::MAX - 1, |m| m - 1));
+                    }
+                    p += page;
+                }
+            }
+            // On a refused fence, skip the granules after it that carry the same one.
+            let (mut bad, mut refused) = (None, None);
+            self.space.fences(addr, len, |g, w| match refused {
+                Some(r) if r == w => {
+                    bad = Some(g);
+                    true
+                }
+                Some(_) => false,
+                None if judge.fence_ok(w) => true,
+                None => {
+                    (bad, refused) = (Some(g), Some(w));
+                    true
+                }
+            });
+            bad.map_or(Ok(()), Err)
+        };
+        let got = if chunk { self.space.alloc_chunk(&mut accept) } else { self.space.alloc_large(size, &mut accept) };
+        let Some(addr) = got else { return Ok(None) };
+        let limit = match mode.mapping {
+            Mapping::Forbidden => 0,
+            Mapping::WithinPeak => self.max_reserved.min(self.pages.peak_mapped_bytes()),
+            Mapping::Allowed => self.max_reserved,
+        };
+        let mut map = |p: u64, len: usize| self.map_pages(p, len, limit);
+        match self.pages.acquire(addr, size, mode.mapping != Mapping::Forbidden, &mut map) {
+            Ok(()) => {}
+            Err(why) => {
+                self.space.give_back(addr, size);
+                return match why {
+                    Acquire::NeedsMap => Ok(None),
+                    // Over budget, or the device itself is out of memory: the next rung.
+                    Acquire::Failed(Error::OutOfMemory(_)) | Acquire::Failed(Error::Device { code: 2, .. }) => Ok(None),
+                    Acquire::Failed(e) => Err(e),
+                };
+            }
+        }
+        if !judge.waits.is_empty() && !judge.settle(st) {
+            self.pages.release(addr, size);
+            self.space.give_back(addr, size);
+            return Ok(None);
+        }
+        if judge.own {
+            Counters::bump(&self.counters.same_stream_reuses, 1);
+        }
+        Ok(Some(addr))
+    }
+
+    /// Give `st`'s arena the chunk at `chunk` (claimed, its pages taken). False, with the
+    /// chunk given back, if the arena holds as many chunks as it can.
+    fn adopt_chunk(&self, st: &StreamState, chunk: u64) -> bool {
+        let Some(idx) = st.arena.reserve(chunk) else {
+            self.free_extent(chunk, CHUNK, fence_word(st.slot, st.fence.stamp()));
+            return false;
+        };
+        // Before the chunk serves a block: a block's free finds its arena through it.
+        self.space.set_owner(chunk, st.slot, idx);
+        st.arena.publish(idx);
+        true
+    }
+
+    /// Take `st`'s wholly free chunk `idx` back to the space, fenced by `st`'s stream.
+    /// False if it is not wholly free (any more).
+    pub(crate) fn return_chunk(&self, st: &StreamState, idx: usize) -> bool {
+        let Some(chunk) = st.arena.take(idx) else { return false };
+        self.space.clear_owner(chunk);
+        st.arena.unreserve(idx);
+        self.free_extent(chunk, CHUNK, fence_word(st.slot, st.fence.stamp()));
+        true
+    }
+
+    /// Every wholly free chunk of `st` back to the space (all but `keep`); returns how many.
+    pub(crate) fn return_free_chunks(&self, st: &StreamState, keep: usize) -> usize {
+        let mut n = 0;
+        while st.arena.free_chunks() > keep {
+            let Some(idx) = st.arena.first_free_chunk() else { break };
+            if self.return_chunk(st, idx) {
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// A run of the space goes back with `fence` on its granules, then its pages (in that
+    /// order: an unmapper that finds the page free reads the fences after it, see
+    /// [`PoolInner::may_unmap`]).
+    fn free_extent(&self, addr: u64, size: u64, fence: u64) {
+        let freed = self.space.free(addr, size, fence);
+        debug_assert!(freed, "{addr:#x}+{size:#x} is not a run of the space");
+        if freed {
+            self.pages.release(addr, size);
+        }
+    }
+
+    /// A block freed on `st`'s stream: back to the arena at once (see the module docs).
+    pub(crate) fn release(&self, st: &StreamState, span: Span) {
+        if self.space.is_large(span.size) {
+            self.free_extent(span.addr, span.size, fence_word(st.slot, st.fence.stamp()));
+        } else {
+            self.release_small(Some(st), span);
+        }
+        // After the stamp: an event recorded now covers this free.
+        self.note_free(st, span.size);
+    }
+
+    /// A block no stream's work can still touch (its events all seen complete): free for
+    /// everyone.
+    pub(crate) fn release_clean(&self, span: Span) {
+        if self.space.is_large(span.size) {
+            self.free_extent(span.addr, span.size, 0);
+        } else {
+            self.release_small(None, span);
+        }
+    }
+
+    /// A small block back to the arena of the stream that holds its chunk (`st`, when the
+    /// caller knows it).
+    fn release_small(&self, st: Option<&StreamState>, span: Span) {
+        let Some((slot, idx)) = self.space.owner(span.addr) else {
+            debug_assert!(false, "{:#x} lies in no stream's chunk", span.addr);
+            return;
+        };
+        let held;
+        let owner = match st {
+            Some(st) if st.slot == slot => st,
+            _ => match self.state_by_slot(slot) {
+                Some(s) => {
+                    held = s;
+                    &held
+                }
+                None => {
+                    debug_assert!(false, "slot {slot} holds a chunk but has no state");
+                    return;
+                }
+            },
+        };
+        let whole = owner.arena.free(span.addr, span.size, idx);
+        debug_assert!(whole.is_some(), "{:#x}+{} refused by its arena", span.addr, span.size);
+        if whole == Some(true) && owner.arena.free_chunks() > KEEP_FREE_CHUNKS {
+            self.return_chunk(owner, idx);
+        }
+    }
+
+    /// Map pages under the budget `limit` (at most `max_reserved`): the budget is taken
+    /// before the device call, so two threads can never map past it together.
+    pub(crate) fn map_pages(&self, page: u64, len: usize, limit: u64) -> Result<()> {
+        let len64 = len as u64;
+        let before = self.map_budget.fetch_add(len64, Ordering::AcqRel);
+        if before + len64 > limit {
+            self.map_budget.fetch_sub(len64, Ordering::AcqRel);
+            return Err(Error::OutOfMemory(Box::new(OutOfMemory {
+                requested: len64,
+                reserved: before,
+                allocated: 0,
+                cached: 0,
+                retiring: 0,
+                largest_free: 0,
+                max_reserved: self.max_reserved,
+            })));
+        }
+        let r = self.device.map(page, len);
+        match r {
+            Ok(()) => Counters::bump(&self.counters.mapped, len64),
+            Err(_) => {
+                self.map_budget.fetch_sub(len64, Ordering::AcqRel);
+            }
+        }
+        r
+    }
+
+    /// Whether the pages `[addr, addr + len)`, wholly free and claimed for unmapping, may go:
+    /// no stream's work may still use any of their granules, so every fence on them must be
+    /// complete (a device-side wait does not help: unmapping is the host's).
+    pub(crate) fn may_unmap(&self, addr: u64, len: u64) -> bool {
+        let reg = self.registry.load();
+        let mut ok = true;
+        self.space.fences(addr, len, |_, w| {
+            let (slot, seq) = fence_parts(w);
+            ok = slot == 0 || reg.slots.get(slot as usize - 1).is_some_and(|e| e.fence.is_complete(seq));
+            ok
+        });
+        ok
+    }
+
+    /// Unmap wholly free pages no stream's work can touch, highest first, until at most
+    /// `keep` free mapped bytes remain (more if the floor of [`crate::Pool::reserve`] needs
+    /// them); returns the bytes unmapped.
+    pub(crate) fn unmap_free(&self, keep: u64) -> u64 {
+        let page = self.pages.page_size();
+        let free = self.pages.free_mapped_pages() * page;
+        let held = self.pages.mapped_bytes().saturating_sub(free);
+        let keep = keep.max(self.floor_bytes().saturating_sub(held));
+        let mut unmap = |page: u64, len: usize| {
+            if !self.may_unmap(page, len as u64) {
+                return Err(Error::NotPermitted("a stream's work may still use the page"));
+            }
+            // SAFETY: the page map hands out only pages no held block overlaps, claimed for
+            // unmapping so none can be taken meanwhile, and every fence on them is complete:
+            // no work queued on any stream can use them.
+            let r = unsafe { self.device.unmap(page, len) };
+            if r.is_ok() {
+                self.map_budget.fetch_sub(len as u64, Ordering::AcqRel);
+            }
+            r
+        };
+        let n = self.pages.unmap_free(keep, &mut unmap);
+        Counters::bump(&self.counters.unmapped, n);
+        n
+    }
+}

@@ -1,0 +1,260 @@
+//! What a pool knows of each stream: its depots (T1), its arena of small blocks, its fence
+//! log, and the registries that find them by stream id and by slot.
+//!
+//! A stream gets a *slot*, a small number of the pool's own, the first time the pool sees
+//! it; fences name streams by slot (see `crate::reclaim::fence`), and slots are never reused
+//! within a pool, so a fence never names the wrong stream. The registries are published with
+//! arc-swap (readers never wait; a new stream copies the small map once).
+//!
+//! A destroyed stream gets a final event: frees of its blocks after that are stamped with
+//! it. Its state moves to the orphans, where frees still find it, and is dropped once its
+//! final event is complete and it holds nothing (no chunk, nothing in a depot, no thread
+//! cache).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
+
+use super::PoolInner;
+use crate::arena::{StreamArena, CHUNK};
+use crate::cache::depot::Depot;
+use crate::class;
+use crate::device::{Event, Stream, StreamId};
+use crate::error::{Error, Result};
+use crate::reclaim::fence::FenceLog;
+use crate::stats::Counters;
+use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use crate::sync::epoch;
+
+/// A stream gets an event once this many blocks were freed to the arena since its last one
+/// ([`PoolInner::note_free`]) ...
+const EVENT_EVERY_BLOCKS: u64 = 64;
+/// ... or this many bytes: a page's worth, so that pages falling free can be traded soon
+/// after (an unmap needs their fences complete).
+const EVENT_EVERY_BYTES: u64 = 2 << 20;
+
+/// What the pool knows of one stream.
+pub(crate) struct StreamState {
+    pub(crate) stream: Stream,
+    /// The stream's slot (1 and up): how fences name it.
+    pub(crate) slot: u32,
+    /// T1: one depot per cached size class.
+    pub(crate) depots: Box<[Depot]>,
+    /// The stream's small blocks, in the chunks it holds.
+    pub(crate) arena: StreamArena,
+    /// Which of the stream's events are complete, and the fence a free gets now.
+    pub(crate) fence: Arc<FenceLog<Event>>,
+    /// Set once the stream is destroyed: frees then get its final event's fence.
+    pub(crate) destroyed: AtomicBool,
+    /// Bytes and blocks freed to the arena since the stream's last event (see
+    /// [`PoolInner::note_free`]), packed `blocks << 40 | bytes`.
+    since_event: AtomicU64,
+}
+
+/// A slot's entry: what resolving a fence of that slot needs, kept for the pool's life (a
+/// fence may outlive its stream's state).
+#[derive(Clone)]
+pub(crate) struct SlotEntry {
+    pub(crate) stream: Stream,
+    pub(crate) fence: Arc<FenceLog<Event>>,
+    pub(crate) state: Weak<StreamState>,
+}
+
+/// The registry of streams: by id, and by slot (index `slot - 1`).
+#[derive(Default, Clone)]
+pub(crate) struct Registry {
+    pub(crate) by_id: HashMap<StreamId, Arc<StreamState>>,
+    pub(crate) slots: Vec<SlotEntry>,
+}
+
+impl PoolInner {
+    /// The state of `stream`, made (with a new slot) the first time the pool sees it.
+    pub(crate) fn stream_state(self: &Arc<Self>, stream: &Stream) -> Result<Arc<StreamState>> {
+        let id = stream.id();
+        if let Some(st) = self.registry.load().by_id.get(&id) {
+            return Ok(Arc::clone(st));
+        }
+        if stream.is_destroyed() {
+            return Err(Error::StreamDestroyed);
+        }
+        let (mut made, mut failed) = (None, None);
+        self.registry.rcu(|reg| {
+            (made, failed) = (None, None);
+            if reg.by_id.contains_key(&id) {
+                return Arc::clone(reg);
+            }
+            let slot = reg.slots.len() as u32 + 1;
+            let st = match self.new_state(stream, slot) {
+                Ok(st) => Arc::new(st),
+                Err(e) => {
+                    failed = Some(e);
+                    return Arc::clone(reg);
+                }
+            };
+            let mut next = Registry::clone(reg);
+            next.slots.push(SlotEntry {
+                stream: stream.clone(),
+                fence: Arc::clone(&st.fence),
+                state: Arc::downgrade(&st),
+            });
+            next.by_id.insert(id, Arc::clone(&st));
+            made = Some(st);
+            Arc::new(next)
+        });
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        if let Some(st) = made {
+            // Only the thread whose state went in registers the hook.
+            let weak: Weak<PoolInner> = Arc::downgrade(self);
+            stream.on_destroy(Box::new(move |s: &Stream| {
+                if let Some(pool) = weak.upgrade() {
+                    pool.on_stream_destroyed(id, s);
+                }
+            }));
+            return Ok(st);
+        }
+        self.registry.load().by_id.get(&id).cloned().ok_or(Error::StreamDestroyed)
+    }
+
+    fn new_state(&self, stream: &Stream, slot: u32) -> Result<StreamState> {
+        if slot > crate::arena::space::MAX_SLOTS {
+            return Err(Error::InvalidArgument(format!(
+                "a pool serves at most {} streams",
+                crate::arena::space::MAX_SLOTS
+            )));
+        }
+        let max_chunks = self.max_reserved.div_ceil(CHUNK) as usize + 1;
+        Ok(StreamState {
+            stream: stream.clone(),
+            slot,
+            depots: (0..self.hot.classes)
+                .map(|c| {
+                    let budget = crate::sync::Arc::clone(&self.cache_budget);
+                    Depot::with_budget(self.config.depot_magazines, budget, class::size_of_class(c))
+                })
+                .collect(),
+            arena: StreamArena::new(max_chunks)?,
+            fence: Arc::new(FenceLog::new()),
+            destroyed: AtomicBool::new(false),
+            since_event: AtomicU64::new(0),
+        })
+    }
+
+    /// The state of a stream the pool has seen, destroyed or not.
+    pub(crate) fn state_by_id(&self, id: StreamId) -> Option<Arc<StreamState>> {
+        if let Some(st) = self.registry.load().by_id.get(&id) {
+            return Some(Arc::clone(st));
+        }
+        self.orphans.load().iter().find(|st| st.stream.id() == id).cloned()
+    }
+
+    /// The state of the stream of `slot`, if it still has one.
+    pub(crate) fn state_by_slot(&self, slot: u32) -> Option<Arc<StreamState>> {
+        self.registry.load().slots.get(slot.checked_sub(1)? as usize)?.state.upgrade()
+    }
+
+    /// Every stream's state, destroyed ones included.
+    pub(crate) fn states(&self) -> Vec<Arc<StreamState>> {
+        let mut v: Vec<_> = self.registry.load().by_id.values().cloned().collect();
+        v.extend(self.orphans.load().iter().cloned());
+        v
+    }
+
+    /// `bytes` freed on `st`'s stream went back to the arena: once enough have since the
+    /// stream's last event, record one, so that the fences of memory freed a while ago
+    /// complete as the device gets past them (an event is cheap, ~0.5 µs, next to the
+    /// frees it covers; one recorded only when another stream asks would always cover the
+    /// newest work, and complete only once the device is idle). Nothing is recorded where
+    /// no device call is allowed, nor on a stream being captured: a later free tries again.
+    pub(crate) fn note_free(&self, st: &StreamState, bytes: u64) {
+        const BLOCKS: u64 = 1 << 40;
+        let before = st.since_event.fetch_add(BLOCKS | bytes.min(BLOCKS - 1), Ordering::AcqRel);
+        let (blocks, freed) = ((before >> 40) + 1, (before & (BLOCKS - 1)) + bytes);
+        if blocks < EVENT_EVERY_BLOCKS && freed < EVENT_EVERY_BYTES {
+            return;
+        }
+        if st.destroyed.load(Ordering::Acquire) || crate::device::in_host_fn() {
+            return;
+        }
+        if st.since_event.swap(0, Ordering::AcqRel) == 0 {
+            // Another thread is recording for the same frees.
+            return;
+        }
+        let guard = epoch::pin();
+        let recorded = st.fence.record(
+            || {
+                if self.device.is_capturing(&st.stream)? {
+                    return Err(Error::StreamCapturing);
+                }
+                let ev = self.device.create_event()?;
+                self.device.record_event(&ev, &st.stream)?;
+                Ok::<_, Error>(ev)
+            },
+            &guard,
+        );
+        if recorded.is_ok() {
+            Counters::bump(&self.counters.events_recorded, 1);
+        }
+    }
+
+    /// Record an event on the stream of `entry` now (it covers every free on it so far).
+    pub(crate) fn record_on(&self, entry: &SlotEntry, guard: &epoch::Guard) -> Result<u64> {
+        let seq = entry.fence.record(
+            || {
+                let ev = self.device.create_event()?;
+                self.device.record_event(&ev, &entry.stream)?;
+                Ok::<_, Error>(ev)
+            },
+            guard,
+        )?;
+        Counters::bump(&self.counters.events_recorded, 1);
+        Ok(seq)
+    }
+
+    /// The stream is about to be destroyed: its depots' blocks go back to its arena, its
+    /// final event is recorded, and its state moves out of the registry; its live blocks,
+    /// freed later, are fenced by that final event.
+    pub(crate) fn on_stream_destroyed(&self, id: StreamId, stream: &Stream) {
+        let Some(st) = self.registry.load().by_id.get(&id).cloned() else { return };
+        let guard = epoch::pin();
+        self.flush_stream_depots(&st, u64::MAX, self.all_classes(), &guard);
+        let finished = st.fence.finish(
+            || {
+                let ev = self.device.create_event()?;
+                self.device.record_event(&ev, stream)?;
+                Ok::<_, Error>(ev)
+            },
+            &guard,
+        );
+        if finished.is_ok() {
+            Counters::bump(&self.counters.events_recorded, 1);
+        }
+        st.destroyed.store(true, Ordering::Release);
+        self.registry.rcu(|reg| {
+            let mut next = Registry::clone(reg);
+            next.by_id.remove(&id);
+            next
+        });
+        self.orphans.rcu(|v| {
+            let mut v = Vec::clone(v);
+            v.push(Arc::clone(&st));
+            v
+        });
+    }
+
+    /// Drop the orphans that hold nothing any more and whose final event is complete.
+    pub(crate) fn prune_orphans(&self) {
+        // Each thread cache holds a reference: the list and the caller's snapshot hold the
+        // other two.
+        let done = |st: &Arc<StreamState>| {
+            st.fence.is_finished()
+                && st.fence.is_complete(st.fence.stamp())
+                && st.arena.held_chunks() == 0
+                && st.depots.iter().all(|d| d.full_count() == 0)
+                && Arc::strong_count(st) <= 2
+        };
+        if self.orphans.load().iter().any(done) {
+            self.orphans.rcu(|v| v.iter().filter(|st| !done(st)).cloned().collect::<Vec<_>>());
+        }
+    }
+}

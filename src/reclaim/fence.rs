@@ -1,0 +1,232 @@
+//! Fences: how memory freed on one stream becomes safe for another, with no host wait.
+//!
+//! Memory freed on stream S is reusable at once by later work on S (stream order serialises
+//! the old use before the new one), so a free does not wait for anything: it only stamps the
+//! memory with a *fence*, the number of the next event to be recorded on S. Another stream T
+//! may use that memory once an event of S with that number or a later one is complete, or
+//! once T is made to wait on such an event *on the device* (`stream_wait_event`).
+//!
+//! # What it owns
+//!
+//! One [`FenceLog`] per stream: `claimed`, the number of the last event claimed for
+//! recording on the stream; `complete`, the highest number of an event seen complete; the
+//! stream's final event number once it is destroyed; and the events recorded and not yet
+//! seen complete, in a [`Fifo`], oldest first.
+//!
+//! # Invariants
+//!
+//! * A free stamps `claimed + 1` (read after a `SeqCst` fence), and an event is recorded on
+//!   the stream only after its number was claimed (with a `SeqCst` fence in between). So
+//!   the event numbered `q` is recorded after every free stamped `q` or less: either the
+//!   free's read of `claimed` saw the claim of `q` (and stamped more), or the recorder's
+//!   record saw the work the free's block was used by (both sides' fences order the pair).
+//!   Hence **event `q` complete ⇒ every piece of work before every free stamped ≤ `q` is
+//!   done**, whatever order events numbered below `q` complete in.
+//! * `complete` only grows, and only to the number of an event seen complete.
+//! * After the stream is destroyed, frees stamp its final event's number: nothing new can
+//!   run on the stream, so that event covers every use of every block freed after it.
+//!
+//! # Why it is lock-free
+//!
+//! Every thread that frees on a stream stamps fences, and any thread may resolve them: a
+//! lock here would serialise the frees the thread caches exist to keep apart. The counters
+//! are single atomics; the events sit in a Michael–Scott queue whose nodes are reclaimed with
+//! crossbeam-epoch, since a poller may query an event while another thread pops it. `E` is
+//! the event type, generic so that loom models can use a fake event.
+
+use super::Fifo;
+use crate::sync::atomic::{fence, AtomicU64, Ordering};
+use crate::sync::epoch::Guard;
+
+/// An event recorded on the stream, with its number.
+struct Recorded<E> {
+    seq: u64,
+    event: E,
+}
+
+/// The fence state of one stream. See the module docs.
+pub struct FenceLog<E> {
+    claimed: AtomicU64,
+    complete: AtomicU64,
+    /// The final event's number once the stream is destroyed; 0 while it lives.
+    final_seq: AtomicU64,
+    events: Fifo<Recorded<E>>,
+}
+
+impl<E: Send + Sync> Default for FenceLog<E> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<E: Send + Sync> FenceLog<E> {
+    /// A stream with no event recorded yet.
+    pub fn new() -> Self {
+        FenceLog {
+            claimed: AtomicU64::new(0),
+            complete: AtomicU64::new(0),
+            final_seq: AtomicU64::new(0),
+            events: Fifo::new(),
+        }
+    }
+
+    /// The fence a free made now gets: the number of the next event to be recorded (the
+    /// final event's, once the stream is destroyed). Called after the freed block's last
+    /// use on the stream was enqueued.
+    pub fn stamp(&self) -> u64 {
+        // Orders the block's last use (enqueued before this call) before the read of
+        // `claimed`: see the module docs' first invariant.
+        fence(Ordering::SeqCst);
+        match self.final_seq.load(Ordering::Acquire) {
+            0 => self.claimed.load(Ordering::Acquire) + 1,
+            f => f,
+        }
+    }
+
+    /// Whether every free stamped `seq` or less is known safe for other streams.
+    #[inline]
+    pub fn is_complete(&self, seq: u64) -> bool {
+        self.complete.load(Ordering::Acquire) >= seq
+    }
+
+    /// The highest number of an event seen complete.
+    pub fn completed(&self) -> u64 {
+        self.complete.load(Ordering::Acquire)
+    }
+
+    /// The number of the last event claimed for recording.
+    pub fn claimed(&self) -> u64 {
+        self.claimed.load(Ordering::Acquire)
+    }
+
+    /// Record a new event on the stream with `record` (which creates and records it), after
+    /// claiming its number. Returns the number. If `record` fails, the number stays claimed
+    /// with no event: fences it would have covered wait for a later one.
+    pub fn record<Er>(&self, record: impl FnOnce() -> Result<E, Er>, guard: &Guard) -> Result<u64, Er> {
+        let seq = self.claimed.fetch_add(1, Ordering::AcqRel) + 1;
+        // The other half of the pair in `stamp`.
+        fence(Ordering::SeqCst);
+        let event = record()?;
+        self.events.push(Recorded { seq, event }, guard);
+        Ok(seq)
+    }
+
+    /// The stream is being destroyed: record its final event (as [`FenceLog::record`]);
+    /// every later stamp is that event's number.
+    pub fn finish<Er>(&self, record: impl FnOnce() -> Result<E, Er>, guard: &Guard) -> Result<u64, Er> {
+        let seq = self.record(record, guard)?;
+        self.final_seq.store(seq, Ordering::Release);
+        Ok(seq)
+    }
+
+    /// Whether the stream was destroyed ([`FenceLog::finish`]).
+    pub fn is_finished(&self) -> bool {
+        self.final_seq.load(Ordering::Acquire) != 0
+    }
+
+    /// Pop every event, oldest first, that `query` says is complete, raising `complete` to
+    /// its number; stop at the first that is not. Returns whether `complete` rose.
+    pub fn poll(&self, mut query: impl FnMut(&E) -> bool, guard: &Guard) -> bool {
+        let before = self.completed();
+        // `complete` rises before the event leaves the queue: whoever no longer finds the
+        // event there finds its number complete.
+        let mut done = |r: &Recorded<E>| {
+            let done = query(&r.event);
+            if done {
+                self.complete.fetch_max(r.seq, Ordering::AcqRel);
+            }
+            done
+        };
+        while self.events.pop_if(&mut done, |_| (), guard).is_some() {}
+        self.completed() > before
+    }
+
+    /// Run `f` on the oldest recorded event whose number is `seq` or more (one that covers
+    /// every free stamped `seq` or less), if there is one.
+    pub fn covering<R>(&self, seq: u64, f: impl FnOnce(&E) -> R, guard: &Guard) -> Option<R> {
+        let mut found = None;
+        self.events.for_each(
+            |r| {
+                if found.is_none() && r.seq >= seq {
+                    found = Some(&r.event as *const E);
+                }
+            },
+            guard,
+        );
+        // SAFETY: the event lives in a queue node that the guard keeps from being reclaimed
+        // (a popped node is destroyed only once every thread pinned at the time has
+        // unpinned), and items are only ever read in place.
+        found.map(|e| f(unsafe { &*e }))
+    }
+
+    /// Run `f` on the oldest recorded event not yet seen complete, if any.
+    pub fn with_oldest<R>(&self, f: impl FnOnce(&E) -> R, guard: &Guard) -> Option<R> {
+        self.events.with_front(|r| f(&r.event), guard)
+    }
+
+    /// Whether an event is recorded and not yet seen complete.
+    pub fn has_pending(&self, guard: &Guard) -> bool {
+        !self.events.is_empty(guard)
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::sync::epoch;
+    use std::sync::atomic::AtomicBool;
+
+    fn log() -> FenceLog<AtomicBool> {
+        FenceLog::new()
+    }
+
+    #[test]
+    fn a_free_is_covered_by_the_next_event_recorded() {
+        let (l, g) = (log(), epoch::pin());
+        let fence = l.stamp();
+        assert!(!l.is_complete(fence), "nothing recorded yet");
+        assert_eq!(l.record(|| Ok::<_, ()>(AtomicBool::new(false)), &g), Ok(fence));
+        assert!(!l.poll(|e| e.load(Ordering::Acquire), &g), "recorded, not complete");
+        assert!(l.covering(fence, |_| (), &g).is_some());
+        l.with_oldest(|e| e.store(true, Ordering::Release), &g);
+        assert!(l.poll(|e| e.load(Ordering::Acquire), &g));
+        assert!(l.is_complete(fence));
+        assert!(!l.is_complete(l.stamp()), "a later free waits for a later event");
+    }
+
+    #[test]
+    fn a_later_event_complete_covers_earlier_fences_whatever_the_order() {
+        let (l, g) = (log(), epoch::pin());
+        let first = l.stamp();
+        l.record(|| Ok::<_, ()>(AtomicBool::new(false)), &g).unwrap();
+        let second = l.stamp();
+        l.record(|| Ok::<_, ()>(AtomicBool::new(true)), &g).unwrap();
+        assert!(first < second);
+        assert!(!l.poll(|e| e.load(Ordering::Acquire), &g), "polling stops at the first incomplete event");
+        assert!(l.covering(second, |e| e.load(Ordering::Acquire), &g).unwrap(), "the event covering the later fence");
+        l.with_oldest(|e| e.store(true, Ordering::Release), &g);
+        assert!(l.poll(|e| e.load(Ordering::Acquire), &g));
+        assert!(l.is_complete(first) && l.is_complete(second));
+    }
+
+    #[test]
+    fn a_failed_record_leaves_fences_for_a_later_event() {
+        let (l, g) = (log(), epoch::pin());
+        let fence = l.stamp();
+        assert_eq!(l.record(|| Err::<AtomicBool, _>("capturing"), &g), Err("capturing"));
+        assert!(l.covering(fence, |_| (), &g).is_none());
+        let seq = l.record(|| Ok::<_, ()>(AtomicBool::new(true)), &g).unwrap();
+        assert!(seq > fence);
+        l.poll(|e| e.load(Ordering::Acquire), &g);
+        assert!(l.is_complete(fence));
+    }
+
+    #[test]
+    fn after_the_final_event_every_free_is_stamped_with_it() {
+        let (l, g) = (log(), epoch::pin());
+        let f = l.finish(|| Ok::<_, ()>(AtomicBool::new(false)), &g).unwrap();
+        assert!(l.is_finished());
+        assert_eq!(l.stamp(), f);
+        assert_eq!(l.stamp(), f, "no work can follow the final event");
+    }
+}
