@@ -10,18 +10,19 @@
 //!   several threads queue behind each other as they do behind the CUDA driver's lock (they
 //!   do not hold the simulator's memory lock meanwhile: streams keep running, as a GPU's do);
 //! - creating, recording and querying an event cost their own figure each, with no lock (the
-//!   driver's event calls do not serialise against each other in the anchors' measurements).
+//!   anchors measure them on one thread only, so the model adds no contention of its own).
 //!
 //! Short costs are spun (a sleep on Linux overshoots by tens of µs); a long one sleeps all
 //! but its last 100 µs, then spins, so it stays accurate without holding a core for
 //! milliseconds.
 //!
-//! **Device time** ([`busy`]) is a timeline per host-function thread (on the simulator, one
-//! per stream): a span of `n` µs starts when it was enqueued or when the previous span on that
-//! thread ended, whichever is later, and the thread waits until it ends. Waits longer than a
-//! few µs sleep, so a 2-core machine can simulate many busy streams; a sleep that overshoots
-//! only delays the next span's start, never its end, so a stream with work queued keeps
-//! exactly its device throughput, as a GPU running back-to-back kernels does.
+//! **Device time** (the default [`Device::spin`](super::Device::spin)) is a timeline per
+//! host-function thread (on the simulator, one per stream): a span of `n` µs starts when it
+//! was enqueued or when the previous span on that thread ended, whichever is later, and the
+//! thread waits until it ends. Waits longer than a few µs sleep, so a 2-core machine can
+//! simulate many busy streams; a sleep that overshoots only delays the next span's start,
+//! never its end, so a stream with work queued keeps exactly its device throughput, as a GPU
+//! running back-to-back kernels does.
 
 use std::cell::Cell;
 use std::sync::{Mutex, MutexGuard};
