@@ -131,7 +131,10 @@ struct Worker<'a> {
     device: &'a dyn Device,
     stream: Stream,
     live: &'a Live,
+    /// The requests' shapes.
     rng: Rng,
+    /// The device work's lengths, apart, so that `--idle` serves the same requests.
+    work: Rng,
     idle: bool,
     layers: u64,
 }
@@ -147,7 +150,7 @@ impl Worker<'_> {
         self.live.peak.fetch_max(now, Ordering::AcqRel);
         self.live.allocs.fetch_add(1, Ordering::Relaxed);
         if !self.idle {
-            let us = self.rng.range(10, 30);
+            let us = self.work.range(10, 30);
             self.device.spin(&self.stream, us)?;
         }
         Ok(Held(b, bytes))
@@ -283,8 +286,16 @@ fn main() {
                 scope.spawn(move || -> vrampool::Result<(u64, u64)> {
                     let stream = device.create_stream()?;
                     let seed = args.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (i as u64 + 1);
-                    let mut w =
-                        Worker { pool, device, stream, live, rng: Rng(seed | 1), idle: args.idle, layers: args.layers };
+                    let mut w = Worker {
+                        pool,
+                        device,
+                        stream,
+                        live,
+                        rng: Rng(seed | 1),
+                        work: Rng(seed.rotate_left(32) | 1),
+                        idle: args.idle,
+                        layers: args.layers,
+                    };
                     let (mut served, mut tokens) = (0, 0);
                     while served < args.requests && start.elapsed() < args.duration {
                         tokens += w.request()?;
