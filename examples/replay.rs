@@ -1,18 +1,38 @@
 //! Replay allocation traces (gzip'd or plain CSV: `op,id,size,stream`) through a pool and
 //! report peak reserved ÷ peak live (the memory figure of merit), hit rates and time per
-//! operation.
+//! event, beside the time per event of a single-threaded `Mutex<BTreeMap>` best-fit pool
+//! (`benches/support/bestfit.rs`, address arithmetic only) on the same trace in the same run.
 //!
 //! ```text
 //! cargo run --release --example replay -- benches/traces/*.csv.gz
+//! cargo run --release --example replay -- --busy-us 20 --sync-every 1000 --warm --costs benches/traces/*.csv.gz
 //! ```
 //!
-//! Runs on the GPU when there is one, else on the simulated device. `--map-run-pages N` sets
-//! `PoolConfig::map_run_pages` (pages mapped per device call; default 1).
+//! Runs on the GPU when there is one, else on the simulated device. Options:
+//!
+//! - `--busy-us N`: N µs of device work on the allocation's stream after each allocation (a
+//!   host function on the simulator, a spin kernel on CUDA);
+//! - `--sync-every M`: synchronize every stream every M events;
+//! - `--warm`: replay each trace twice in one pool, untrimmed in between, and report the
+//!   second pass too: time per event (the best-fit pool's likewise, its second pass in one
+//!   pool) and the bytes the device mapped and unmapped during it (the simulator's own
+//!   counts; on CUDA, from the pool's figures);
+//! - `--costs`: the simulator spends an H200 driver's costs (`SimCosts::h200`);
+//! - `--sim`: the simulator even where there is a GPU;
+//! - `--interleave`: play all the traces given at once, as one trace, each on its own streams;
+//! - `--map-run-pages N`: `PoolConfig::map_run_pages` (pages mapped per device call).
 
+use std::collections::HashMap;
 use std::io::BufReader;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use vrampool::replay::{replay, Trace};
-use vrampool::PoolConfig;
+use vrampool::replay::{interleave, replay_sim, replay_with, ReplayOptions, Report, Trace};
+use vrampool::{Device, SimCosts, SimDevice};
+
+#[path = "../benches/support/bestfit.rs"]
+mod bestfit;
+use bestfit::BestFit;
 
 fn load(path: &str) -> Result<Trace, Box<dyn std::error::Error>> {
     let file = std::fs::File::open(path)?;
@@ -23,47 +43,236 @@ fn load(path: &str) -> Result<Trace, Box<dyn std::error::Error>> {
     })
 }
 
-fn main() {
-    let mut args: Vec<String> = std::env::args().skip(1).collect();
-    let mut config = PoolConfig::default();
-    if let Some(i) = args.iter().position(|a| a == "--map-run-pages") {
-        let n = args.get(i + 1).and_then(|v| v.parse().ok());
-        let Some(n) = n else {
-            eprintln!("--map-run-pages needs a number");
-            std::process::exit(2);
+/// One pass of `trace` through `bf`: the time of its allocations and frees (the blocks left
+/// live at the end are freed untimed, so a second pass starts from an empty pool).
+fn bestfit_pass(bf: &BestFit, trace: &Trace) -> Duration {
+    let mut live: HashMap<u64, (u64, u64)> = HashMap::with_capacity(1024);
+    let start = Instant::now();
+    for op in &trace.ops {
+        if op.alloc {
+            let size = (op.size as u64).max(1);
+            if let Some(addr) = bf.alloc(size) {
+                if let Some((a, s)) = live.insert(op.id, (addr, size)) {
+                    bf.free(a, s);
+                }
+            }
+        } else if let Some((a, s)) = live.remove(&op.id) {
+            bf.free(a, s);
+        }
+    }
+    let elapsed = start.elapsed();
+    for (_, (a, s)) in live.drain() {
+        bf.free(a, s);
+    }
+    elapsed
+}
+
+fn ns_per(d: Duration, events: usize) -> f64 {
+    if events == 0 {
+        0.0
+    } else {
+        d.as_nanos() as f64 / events as f64
+    }
+}
+
+struct Args {
+    options: ReplayOptions,
+    costs: bool,
+    sim: bool,
+    interleave: bool,
+    paths: Vec<String>,
+}
+
+fn usage(why: &str) -> ! {
+    eprintln!("{why}");
+    eprintln!(
+        "usage: replay [--busy-us N] [--sync-every M] [--warm] [--costs] [--sim] [--interleave] \
+         [--map-run-pages N] TRACE.csv[.gz] ..."
+    );
+    std::process::exit(2);
+}
+
+fn parse_args() -> Args {
+    let mut a = Args { options: ReplayOptions::default(), costs: false, sim: false, interleave: false, paths: vec![] };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let mut number = |name: &str| -> u64 {
+            it.next().and_then(|v| v.parse().ok()).unwrap_or_else(|| usage(&format!("{name} needs a number")))
         };
-        config.map_run_pages = n;
-        args.drain(i..i + 2);
+        match arg.as_str() {
+            "--busy-us" => a.options.busy_us = number("--busy-us"),
+            "--sync-every" => a.options.sync_every = number("--sync-every") as usize,
+            "--map-run-pages" => a.options.config.map_run_pages = number("--map-run-pages") as usize,
+            "--warm" => a.options.warm = true,
+            "--costs" => a.costs = true,
+            "--sim" => a.sim = true,
+            "--interleave" => a.interleave = true,
+            s if s.starts_with("--") => usage(&format!("unknown option {s}")),
+            _ => a.paths.push(arg),
+        }
     }
-    let paths = args;
-    if paths.is_empty() {
-        eprintln!("usage: replay TRACE.csv[.gz] ...");
-        std::process::exit(2);
+    if a.paths.is_empty() {
+        usage("no trace given");
     }
-    let (device, why) = vrampool::device::auto(160 << 30);
+    a
+}
+
+/// The device: the GPU unless `--sim` or there is none; else the simulator, costed with
+/// `--costs`.
+enum Dev {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Gpu(Arc<dyn Device>),
+    Sim(SimDevice),
+}
+
+fn device(args: &Args) -> (Dev, String) {
+    let sim = || {
+        let costs = if args.costs { SimCosts::h200() } else { SimCosts::NONE };
+        let dev = SimDevice::builder(160 << 30).costs(costs).build();
+        let what = if args.costs { "with H200 driver costs" } else { "no driver costs" };
+        (Dev::Sim(dev), format!("simulated device (160 GiB, {what})"))
+    };
+    if args.sim {
+        return sim();
+    }
+    #[cfg(feature = "cuda")]
+    match vrampool::CudaDevice::new(0) {
+        Ok(d) => {
+            if args.costs {
+                eprintln!("--costs applies to the simulator only: a GPU spends its own");
+            }
+            let why = format!("CUDA device 0: {}", d.name());
+            return (Dev::Gpu(Arc::new(d)), why);
+        }
+        Err(e) => {
+            let (dev, why) = sim();
+            return (dev, format!("{why}: no CUDA GPU ({e})"));
+        }
+    }
+    #[allow(unreachable_code)]
+    sim()
+}
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1u64 << 20) as f64
+}
+
+fn main() {
+    let args = parse_args();
+    let (dev, why) = device(&args);
+    let o = &args.options;
     println!("device: {why}");
     println!(
-        "{:<24} {:>8} {:>11} {:>14} {:>7} {:>7} {:>7} {:>8}",
-        "trace", "events", "peak live", "peak reserved", "ratio", "T0 hit", "T1 hit", "ns/op"
+        "busy {} µs after each allocation, sync every {} events{}",
+        o.busy_us,
+        if o.sync_every == 0 { "∞".to_string() } else { o.sync_every.to_string() },
+        if o.warm { ", warm pass" } else { "" }
     );
-    for path in paths {
-        let r = load(&path).and_then(|t| Ok(replay(&t, &device, config.clone())?));
-        match r {
-            Ok(r) => println!(
-                "{:<24} {:>8} {:>7.1} MiB {:>10.1} MiB {:>7.3} {:>7.3} {:>7.3} {:>8.0}",
-                path.rsplit('/').next().unwrap_or(&path),
-                r.events,
-                r.peak_live as f64 / (1 << 20) as f64,
-                r.peak_reserved as f64 / (1 << 20) as f64,
-                r.ratio(),
-                r.stats.t0_hit_rate(),
-                r.stats.t1_hit_rate(),
-                r.ns_per_op()
-            ),
+    let mut traces = Vec::new();
+    for path in &args.paths {
+        match load(path) {
+            Ok(t) => traces.push((path.rsplit('/').next().unwrap_or(path).trim_end_matches(".gz").to_string(), t)),
             Err(e) => {
                 eprintln!("{path}: {e}");
                 std::process::exit(1);
             }
         }
+    }
+    if args.interleave {
+        let name = traces.iter().map(|(n, _)| n.trim_end_matches(".csv")).collect::<Vec<_>>().join("+");
+        let all: Vec<Trace> = traces.drain(..).map(|(_, t)| t).collect();
+        match interleave(&all) {
+            Ok(t) => traces.push((name, t)),
+            Err(e) => {
+                eprintln!("interleave: {e}");
+                std::process::exit(1);
+            }
+        }
+    }
+    let mut rows = Vec::new();
+    for (name, trace) in &traces {
+        let r = match &dev {
+            Dev::Gpu(d) => replay_with(trace, d, o),
+            Dev::Sim(d) => replay_sim(trace, d, o),
+        };
+        let bf = BestFit::new(0, 1 << 48);
+        let bf_cold = bestfit_pass(&bf, trace);
+        let bf_warm = o.warm.then(|| bestfit_pass(&bf, trace));
+        match r {
+            Ok(r) => rows.push((name.clone(), r, bf_cold, bf_warm)),
+            Err(e) => {
+                eprintln!("{name}: {e}");
+                std::process::exit(1);
+            }
+        }
+    }
+    print_cold(&rows);
+    if o.warm {
+        print_warm(&rows);
+    }
+}
+
+type Row = (String, Report, Duration, Option<Duration>);
+
+fn print_cold(rows: &[Row]) {
+    println!();
+    println!(
+        "{:<28} {:>8} {:>11} {:>14} {:>7} {:>6} {:>6} {:>8} {:>9} {:>7} {:>11} {:>11}",
+        "trace",
+        "events",
+        "peak live",
+        "peak reserved",
+        "ratio",
+        "T0",
+        "T1",
+        "ns/op",
+        "bestfit",
+        "÷bf",
+        "mapped",
+        "unmapped"
+    );
+    for (name, r, bf, _) in rows {
+        let bf_ns = ns_per(*bf, r.events);
+        println!(
+            "{:<28} {:>8} {:>7.1} MiB {:>10.1} MiB {:>7.3} {:>6.3} {:>6.3} {:>8.0} {:>9.0} {:>7.2} {:>7.1} MiB {:>7.1} MiB",
+            name,
+            r.events,
+            mib(r.peak_live),
+            mib(r.cold.stats.peak_reserved_bytes),
+            r.cold.stats.peak_reserved_bytes as f64 / r.peak_live.max(1) as f64,
+            r.stats.t0_hit_rate(),
+            r.stats.t1_hit_rate(),
+            r.ns_per_op(),
+            bf_ns,
+            r.ns_per_op() / bf_ns.max(f64::MIN_POSITIVE),
+            mib(r.cold.mapped_bytes),
+            mib(r.cold.unmapped_bytes)
+        );
+    }
+}
+
+fn print_warm(rows: &[Row]) {
+    println!();
+    println!("warm pass (the trace again in the same pool; maps counted by {:?})", rows[0].1.map_counts);
+    println!(
+        "{:<28} {:>8} {:>9} {:>7} {:>11} {:>11} {:>8} {:>8} {:>14} {:>7}",
+        "trace", "ns/op", "bestfit", "÷bf", "mapped", "unmapped", "map÷pk", "unmap÷pk", "peak reserved", "ratio"
+    );
+    for (name, r, _, bf_warm) in rows {
+        let Some(w) = &r.warm else { continue };
+        let bf_ns = ns_per(bf_warm.unwrap_or_default(), w.events);
+        println!(
+            "{:<28} {:>8.0} {:>9.0} {:>7.2} {:>7.1} MiB {:>7.1} MiB {:>8.3} {:>8.3} {:>10.1} MiB {:>7.3}",
+            name,
+            w.ns_per_op(),
+            bf_ns,
+            w.ns_per_op() / bf_ns.max(f64::MIN_POSITIVE),
+            mib(w.mapped_bytes),
+            mib(w.unmapped_bytes),
+            w.mapped_bytes as f64 / r.peak_reserved.max(1) as f64,
+            w.unmapped_bytes as f64 / r.peak_reserved.max(1) as f64,
+            mib(r.peak_reserved),
+            r.ratio()
+        );
     }
 }

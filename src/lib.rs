@@ -54,7 +54,7 @@ mod stats;
 
 #[cfg(feature = "cuda")]
 pub use device::CudaDevice;
-pub use device::{Device, DeviceKind, Event, MemInfo, SimDevice, Stream, StreamId};
+pub use device::{Device, DeviceKind, Event, MemInfo, SimCosts, SimDevice, Stream, StreamId};
 pub use error::{Error, OutOfMemory, Result};
 pub use pool::{Block, Pool, PoolConfig, StreamCache, ALIGN};
 pub use stats::Stats;

@@ -13,10 +13,13 @@ use std::io::BufRead;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::device::{Device, Stream};
+use crate::device::{Device, SimDevice, Stream};
 use crate::error::{Error, Result};
 use crate::pool::{Block, Pool, PoolConfig};
 use crate::stats::Stats;
+
+mod interleave;
+pub use interleave::interleave;
 
 /// One event of a trace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,6 +90,64 @@ impl Trace {
     }
 }
 
+/// How to replay a trace. `Default`: the default pool, an idle device, one pass.
+#[derive(Debug, Clone, Default)]
+pub struct ReplayOptions {
+    /// The pool's configuration.
+    pub config: PoolConfig,
+    /// Microseconds of device work enqueued on the allocation's stream after each
+    /// allocation (0: none).
+    pub busy_us: u64,
+    /// Synchronize every stream after every this many events (0: never).
+    pub sync_every: usize,
+    /// Play the trace a second time in the same pool, without trimming in between, and
+    /// report that pass in [`Report::warm`].
+    pub warm: bool,
+}
+
+impl From<PoolConfig> for ReplayOptions {
+    fn from(config: PoolConfig) -> ReplayOptions {
+        ReplayOptions { config, ..ReplayOptions::default() }
+    }
+}
+
+/// Where a replay's mapped and unmapped bytes were counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MapCounts {
+    /// By the device itself ([`SimDevice::mapped_bytes_total`] and
+    /// [`SimDevice::unmapped_bytes_total`]): every byte, whoever asked.
+    Device,
+    /// From the pool's figures: unmapped = growth of [`Stats::unmapped_bytes`], mapped =
+    /// that plus the growth of [`Stats::reserved_bytes`].
+    Pool,
+}
+
+/// What one pass over a trace measured.
+#[derive(Debug, Clone)]
+pub struct Pass {
+    /// Events replayed.
+    pub events: usize,
+    /// Time spent in the pool's allocations and frees.
+    pub elapsed: Duration,
+    /// Bytes the device mapped during the pass.
+    pub mapped_bytes: u64,
+    /// Bytes the device unmapped during the pass.
+    pub unmapped_bytes: u64,
+    /// The pool's figures at the end of the pass, before the blocks still live are freed
+    /// (its peaks cover every pass so far).
+    pub stats: Stats,
+}
+
+impl Pass {
+    /// Nanoseconds per event.
+    pub fn ns_per_op(&self) -> f64 {
+        if self.events == 0 {
+            return 0.0;
+        }
+        self.elapsed.as_nanos() as f64 / self.events as f64
+    }
+}
+
 /// What a replay measured.
 #[derive(Debug, Clone)]
 pub struct Report {
@@ -94,12 +155,19 @@ pub struct Report {
     pub events: usize,
     /// The most bytes live at once (sum of requested sizes).
     pub peak_live: u64,
-    /// The most bytes the pool had mapped.
+    /// The most bytes the pool had mapped (over both passes with `warm`).
     pub peak_reserved: u64,
-    /// Time spent in the allocations and frees.
+    /// Time spent in the allocations and frees (of the first pass).
     pub elapsed: Duration,
-    /// The pool's figures at the end of the replay, before the blocks still live are freed.
+    /// The pool's figures at the end of the first pass, before the blocks still live are
+    /// freed.
     pub stats: Stats,
+    /// The first pass in full: its time and what the device mapped and unmapped.
+    pub cold: Pass,
+    /// The second pass, with [`ReplayOptions::warm`].
+    pub warm: Option<Pass>,
+    /// Where the mapped and unmapped bytes were counted.
+    pub map_counts: MapCounts,
 }
 
 impl Report {
@@ -111,55 +179,153 @@ impl Report {
         self.peak_reserved as f64 / self.peak_live as f64
     }
 
-    /// Nanoseconds per event.
+    /// Nanoseconds per event (of the first pass).
     pub fn ns_per_op(&self) -> f64 {
-        if self.events == 0 {
-            return 0.0;
-        }
-        self.elapsed.as_nanos() as f64 / self.events as f64
+        self.cold.ns_per_op()
     }
 }
 
 /// Replay `trace` through a fresh pool of `config` on `device`; the pool is trimmed and
-/// checked at the end.
+/// checked at the end. The same as [`replay_with`] with only `config` set.
 pub fn replay(trace: &Trace, device: &Arc<dyn Device>, config: PoolConfig) -> Result<Report> {
-    let pool = Pool::with_device(Arc::clone(device), config)?;
+    replay_with(trace, device, &ReplayOptions::from(config))
+}
+
+/// Replay `trace` as `options` say through a fresh pool on `device`; the pool is trimmed
+/// and checked at the end. Mapped and unmapped bytes come from the pool's figures
+/// ([`MapCounts::Pool`]); [`replay_sim`] counts them on the device.
+pub fn replay_with(trace: &Trace, device: &Arc<dyn Device>, options: &ReplayOptions) -> Result<Report> {
+    run(trace, device, options, None)
+}
+
+/// [`replay_with`] on a simulated device, whose own counts give the mapped and unmapped
+/// bytes ([`MapCounts::Device`]).
+pub fn replay_sim(trace: &Trace, device: &SimDevice, options: &ReplayOptions) -> Result<Report> {
+    let dyn_device: Arc<dyn Device> = Arc::new(device.clone());
+    run(trace, &dyn_device, options, Some(device))
+}
+
+/// Bytes mapped and unmapped so far, as the device or the pool counts them.
+fn map_totals(pool: &Pool, sim: Option<&SimDevice>) -> (u64, u64) {
+    match sim {
+        Some(d) => (d.mapped_bytes_total(), d.unmapped_bytes_total()),
+        None => {
+            let s = pool.stats();
+            (s.reserved_bytes + s.unmapped_bytes, s.unmapped_bytes)
+        }
+    }
+}
+
+fn run(trace: &Trace, device: &Arc<dyn Device>, options: &ReplayOptions, sim: Option<&SimDevice>) -> Result<Report> {
+    let pool = Pool::with_device(Arc::clone(device), options.config.clone())?;
     let mut streams: HashMap<u32, Stream> = HashMap::new();
     for op in &trace.ops {
         if let std::collections::hash_map::Entry::Vacant(v) = streams.entry(op.stream) {
             v.insert(device.create_stream()?);
         }
     }
-    let mut live: HashMap<u64, (Block, u32)> = HashMap::with_capacity(1024);
-    let (mut live_bytes, mut peak_live) = (0u64, 0u64);
-    let start = Instant::now();
-    for op in &trace.ops {
-        let Some(stream) = streams.get(&op.stream) else { continue };
-        if op.alloc {
-            let b = pool.alloc(op.size, stream)?;
-            live_bytes += op.size as u64;
-            peak_live = peak_live.max(live_bytes);
-            if let Some((old, _)) = live.insert(op.id, (b, op.stream)) {
-                // An id allocated twice: the trace lost a free; the older block goes.
-                live_bytes -= old.len() as u64;
-            }
-        } else if let Some((b, home)) = live.remove(&op.id) {
-            if home != op.stream {
-                b.record_stream(stream);
-            }
-            live_bytes -= b.len() as u64;
-            drop(b);
-        }
-    }
-    let elapsed = start.elapsed();
-    let stats = pool.stats();
-    drop(live);
+    let player = Player { pool: &pool, device: &**device, streams: &streams, options, sim };
+    let (cold, peak_live, left) = player.pass(trace)?;
+    let warm = if options.warm {
+        drop(left);
+        player.sync_all()?;
+        let (warm, _, left) = player.pass(trace)?;
+        drop(left);
+        Some(warm)
+    } else {
+        drop(left);
+        None
+    };
+    let last = warm.as_ref().unwrap_or(&cold);
+    let peak_reserved = last.stats.peak_reserved_bytes;
     pool.trim()?;
     pool.check()?;
     for s in streams.values() {
         let _ = device.synchronize(s);
     }
-    Ok(Report { events: trace.ops.len(), peak_live, peak_reserved: stats.peak_reserved_bytes, elapsed, stats })
+    Ok(Report {
+        events: trace.ops.len(),
+        peak_live,
+        peak_reserved,
+        elapsed: cold.elapsed,
+        stats: cold.stats,
+        cold,
+        warm,
+        map_counts: if sim.is_some() { MapCounts::Device } else { MapCounts::Pool },
+    })
+}
+
+/// The blocks live at the end of a pass, by id, with the trace stream of each.
+type Live = HashMap<u64, (Block, u32)>;
+
+/// One replay's pool, streams and options.
+struct Player<'a> {
+    pool: &'a Pool,
+    device: &'a dyn Device,
+    streams: &'a HashMap<u32, Stream>,
+    options: &'a ReplayOptions,
+    sim: Option<&'a SimDevice>,
+}
+
+impl Player<'_> {
+    fn sync_all(&self) -> Result<()> {
+        for s in self.streams.values() {
+            self.device.synchronize(s)?;
+        }
+        Ok(())
+    }
+
+    /// Play the trace once: the pass, its peak live bytes, and the blocks still live at its
+    /// end (the caller frees them).
+    fn pass(&self, trace: &Trace) -> Result<(Pass, u64, Live)> {
+        let (busy, every) = (self.options.busy_us, self.options.sync_every);
+        let (mapped0, unmapped0) = map_totals(self.pool, self.sim);
+        let mut live: Live = HashMap::with_capacity(1024);
+        let (mut live_bytes, mut peak_live) = (0u64, 0u64);
+        // Device work and synchronizes are the harness's, not the pool's: timed apart and
+        // taken out.
+        let mut outside = Duration::ZERO;
+        let start = Instant::now();
+        for (n, op) in trace.ops.iter().enumerate() {
+            let Some(stream) = self.streams.get(&op.stream) else { continue };
+            if op.alloc {
+                let b = self.pool.alloc(op.size, stream)?;
+                live_bytes += op.size as u64;
+                peak_live = peak_live.max(live_bytes);
+                if let Some((old, _)) = live.insert(op.id, (b, op.stream)) {
+                    // An id allocated twice: the trace lost a free; the older block goes.
+                    live_bytes -= old.len() as u64;
+                }
+                if busy > 0 {
+                    let t = Instant::now();
+                    self.device.spin(stream, busy)?;
+                    outside += t.elapsed();
+                }
+            } else if let Some((b, home)) = live.remove(&op.id) {
+                if home != op.stream {
+                    b.record_stream(stream);
+                }
+                live_bytes -= b.len() as u64;
+                drop(b);
+            }
+            if every > 0 && (n + 1) % every == 0 {
+                let t = Instant::now();
+                self.sync_all()?;
+                outside += t.elapsed();
+            }
+        }
+        let elapsed = start.elapsed().saturating_sub(outside);
+        let stats = self.pool.stats();
+        let (mapped1, unmapped1) = map_totals(self.pool, self.sim);
+        let pass = Pass {
+            events: trace.ops.len(),
+            elapsed,
+            mapped_bytes: mapped1.saturating_sub(mapped0),
+            unmapped_bytes: unmapped1.saturating_sub(unmapped0),
+            stats,
+        };
+        Ok((pass, peak_live, live))
+    }
 }
 
 #[cfg(all(test, not(loom)))]
@@ -184,5 +350,24 @@ mod tests {
         assert_eq!(r.peak_live, 1048576 + 4096);
         assert!(r.peak_reserved >= r.peak_live);
         assert!(r.ratio() >= 1.0);
+        assert!(r.warm.is_none());
+        assert_eq!(r.map_counts, MapCounts::Pool);
+        assert!(r.cold.mapped_bytes >= r.peak_reserved, "what was mapped at the peak was mapped during the pass");
+    }
+
+    #[test]
+    fn a_busy_warm_replay_reports_both_passes_and_counts_maps_on_the_device() {
+        let dev = SimDevice::new(1 << 30);
+        let t = Trace::parse("a,1,3000000,0\na,2,4096,1\nf,1,0,1\na,3,2048,0\nf,2,0,1\nf,3,0,0\n".as_bytes()).unwrap();
+        let options = ReplayOptions { busy_us: 50, sync_every: 2, warm: true, ..ReplayOptions::default() };
+        let r = replay_sim(&t, &dev, &options).unwrap();
+        assert_eq!(r.map_counts, MapCounts::Device);
+        let warm = r.warm.as_ref().expect("a warm pass");
+        assert_eq!((r.cold.events, warm.events), (6, 6));
+        assert_eq!(r.peak_live, 3000000 + 4096);
+        assert!(r.cold.mapped_bytes >= r.peak_reserved);
+        assert_eq!(r.peak_reserved, warm.stats.peak_reserved_bytes, "the peak covers both passes");
+        assert_eq!(dev.committed_bytes(), 0, "trimmed at the end");
+        assert_eq!(dev.mapped_bytes_total(), dev.unmapped_bytes_total());
     }
 }

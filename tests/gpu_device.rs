@@ -485,3 +485,38 @@ fn a_map_that_runs_out_of_memory_part_way_unmaps_what_it_mapped() {
         dev.release(base, bytes).unwrap();
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_spin_keeps_the_stream_busy_on_the_device() {
+    let dev = device();
+    let s = dev.create_stream().unwrap();
+    let ev = dev.create_event().unwrap();
+    // One long spin: the stream has not reached the event until the time has passed.
+    let t = Instant::now();
+    dev.spin(&s, 20_000).unwrap();
+    dev.record_event(&ev, &s).unwrap();
+    let launched = t.elapsed();
+    assert!(!dev.query_event(&ev).unwrap(), "the event completed before the spin could have ended");
+    dev.synchronize(&s).unwrap();
+    let long = t.elapsed();
+    // Many short ones add up on the device: a busy stream after every allocation.
+    let t = Instant::now();
+    for _ in 0..500 {
+        dev.spin(&s, 20).unwrap();
+    }
+    let queued = t.elapsed();
+    dev.synchronize(&s).unwrap();
+    let short = t.elapsed();
+    println!(
+        "spin kernel from {}: 20 ms spin launched in {:.1} µs, done after {:.2} ms; 500 × 20 µs queued in {:.1} µs, done after {:.2} ms",
+        dev.spin_kernel_source().unwrap_or("?"),
+        launched.as_secs_f64() * 1e6,
+        long.as_secs_f64() * 1e3,
+        queued.as_secs_f64() * 1e6,
+        short.as_secs_f64() * 1e3
+    );
+    assert!(long >= Duration::from_millis(20), "{long:?}");
+    assert!(short >= Duration::from_millis(10), "{short:?}");
+    assert!(dev.spin(&s, vrampool::device::MAX_SPIN_MICROS + 1).is_err());
+}

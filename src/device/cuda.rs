@@ -30,11 +30,13 @@
 //!   over the whole range the call mapped: the driver allows a range spanning several
 //!   allocations, and setting access is the dearest step of a map, so a run of pages pays it
 //!   once.
+//! - **Spin**: [`Device::spin`] launches a one-thread kernel that reads `%globaltimer` until
+//!   the time has passed (module `spin`), compiled once per device on first use.
 
 use std::ffi::{c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use cudarc::driver::sys;
 use sys::CUresult;
@@ -43,6 +45,9 @@ use super::{in_host_fn_error, Device, DeviceKind, Event, HostFn, MemInfo, Stream
 use crate::error::{Error, Result};
 
 use super::{in_host_fn, set_in_host_fn};
+
+mod spin;
+use spin::SpinKernel;
 
 /// Every driver symbol this module calls. cudarc's loader
 /// panics on a missing one, so they are all looked up before the first call.
@@ -80,6 +85,11 @@ const SYMBOLS: &[&str] = &[
     "cuMemSetAccess",
     "cuMemRelease",
     "cuMemUnmap",
+    "cuCtxSynchronize",
+    "cuModuleLoadData",
+    "cuModuleGetFunction",
+    "cuModuleUnload",
+    "cuLaunchKernel",
 ];
 
 /// Whether the driver library loads and has every symbol we call; `Err` says what is missing.
@@ -176,6 +186,8 @@ struct CudaInner {
     parked: Mutex<Vec<Parked>>,
     any_parked: AtomicBool,
     host_fn_panics: AtomicU64,
+    /// The spin kernel, loaded on the first [`Device::spin`] (or why it could not be).
+    spin: OnceLock<Result<SpinKernel>>,
 }
 
 enum Parked {
@@ -350,6 +362,13 @@ impl Drop for CudaInner {
         }
         if self.bind().is_ok() {
             self.destroy_parked();
+            if let Some(Ok(kernel)) = self.spin.get() {
+                // A wrapped stream (another runtime's) may still run a spin launched through
+                // us: unload the module only once the context's work is done.
+                // SAFETY: our context is current; synchronizing has no other precondition.
+                let _ = unsafe { sys::cuCtxSynchronize() };
+                kernel.unload();
+            }
         }
         // SAFETY: releases the one reference `new` retained; every stream and event of this
         // device held an `Arc` of us, so none is left to use the context through us.
@@ -481,6 +500,7 @@ impl CudaDevice {
             parked: Mutex::new(Vec::new()),
             any_parked: AtomicBool::new(false),
             host_fn_panics: AtomicU64::new(0),
+            spin: OnceLock::new(),
         };
         inner.bind()?;
 
@@ -540,6 +560,12 @@ impl CudaDevice {
     /// How many host functions panicked (the panic was caught; the stream carried on).
     pub fn host_fn_panics(&self) -> u64 {
         self.inner.host_fn_panics.load(Ordering::Acquire)
+    }
+
+    /// Where the spin kernel came from ("NVRTC" or "hand-written PTX"), once a
+    /// [`Device::spin`] has loaded it.
+    pub fn spin_kernel_source(&self) -> Option<&'static str> {
+        self.inner.spin.get().and_then(|k| k.as_ref().ok()).map(|k| k.source)
     }
 }
 
@@ -780,6 +806,14 @@ impl Device for CudaDevice {
         // mapping (the driver rejects anything else); unmapping frees the memory, whose handle
         // was released when it was mapped.
         check("cuMemUnmap", unsafe { sys::cuMemUnmap(addr, bytes) })
+    }
+
+    fn spin(&self, stream: &Stream, micros: u64) -> Result<()> {
+        let ns = super::spin_nanos(micros)?;
+        let h = self.inner.running(stream)?;
+        // Loaded under the context `running` just bound.
+        let kernel = self.inner.spin.get_or_init(SpinKernel::load).as_ref().map_err(Clone::clone)?;
+        kernel.launch(h.raw(), ns)
     }
 }
 

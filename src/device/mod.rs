@@ -20,8 +20,10 @@ use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
 
+pub mod costs;
 pub mod sim;
-pub use sim::SimDevice;
+pub use costs::SimCosts;
+pub use sim::{SimDevice, SimDeviceBuilder};
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -246,6 +248,32 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// # Safety
     /// No work, queued or running, may still use the range; its contents are lost.
     unsafe fn unmap(&self, addr: u64, bytes: usize) -> Result<()>;
+
+    /// Keep `stream` busy for `micros` µs of device time, in stream order (asynchronous):
+    /// the work a kernel does, for benches and examples that need a device that lags behind
+    /// the host. The default is a host function on a device timeline: each span starts when
+    /// it was enqueued or when the thread's previous span ended, whichever is later, so queued
+    /// spans add up exactly however the host thread is scheduled (see [`costs`]); on the
+    /// simulator, whose streams each have their own worker, that is exactly a busy stream.
+    /// `CudaDevice` runs a spin kernel instead.
+    ///
+    /// Fails with [`Error::InvalidArgument`] for more than [`MAX_SPIN_MICROS`].
+    fn spin(&self, stream: &Stream, micros: u64) -> Result<()> {
+        let span = std::time::Duration::from_nanos(spin_nanos(micros)?);
+        let enqueued = std::time::Instant::now();
+        self.launch_host_fn(stream, Box::new(move || costs::busy(enqueued, span)))
+    }
+}
+
+/// The longest [`Device::spin`]: an hour.
+pub const MAX_SPIN_MICROS: u64 = 3_600_000_000;
+
+/// `micros` in nanoseconds, if it is a spin any device can run.
+fn spin_nanos(micros: u64) -> Result<u64> {
+    if micros > MAX_SPIN_MICROS {
+        return Err(Error::InvalidArgument(format!("a spin of {micros} µs is longer than {MAX_SPIN_MICROS} µs")));
+    }
+    Ok(micros * 1000)
 }
 
 macro_rules! forward_device {
@@ -283,6 +311,7 @@ macro_rules! forward_device {
                 // SAFETY: the caller upholds unmap's contract, which is forwarded unchanged.
                 unsafe { (**self).unmap(addr, bytes) }
             }
+            fn spin(&self, stream: &Stream, micros: u64) -> Result<()> { (**self).spin(stream, micros) }
         }
     )*};
 }

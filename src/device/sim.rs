@@ -23,12 +23,18 @@
 //!   anything that would need the stream's work to have run (event record, query and
 //!   synchronize, host functions, copies) fails with [`Error::StreamCapturing`] — stricter
 //!   than CUDA, never more forgiving.
+//! - **Driver costs** are off unless asked for ([`SimDevice::builder`] with
+//!   [`SimCosts`]): then maps, unmaps and event calls take the time a GPU driver's do, on the
+//!   calling thread, maps and unmaps serialised under one driver lock (the model is in
+//!   [`super::costs`]). Whatever the costs, the device counts the bytes it mapped and unmapped
+//!   over its life ([`SimDevice::mapped_bytes_total`], [`SimDevice::unmapped_bytes_total`]).
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 
+use super::costs::{self, DriverLock, SimCosts};
 use super::{in_host_fn_error, Device, DeviceKind, Event, HostFn, MemInfo, Stream};
 use crate::error::{Error, Result};
 
@@ -64,6 +70,11 @@ struct SimInner {
     raws: Mutex<RawTable>,
     /// Host functions that panicked (the worker carries on, but tests want to know).
     host_fn_panics: AtomicU64,
+    costs: SimCosts,
+    driver: DriverLock,
+    /// Bytes mapped and unmapped over the device's life.
+    mapped_total: AtomicU64,
+    unmapped_total: AtomicU64,
 }
 
 #[derive(Default)]
@@ -282,18 +293,28 @@ impl SimDevice {
     /// A simulated device with another mapping granularity (a power of two, at least the
     /// host's page size; other values are rounded up to one).
     pub fn with_granularity(capacity: u64, granularity: usize) -> SimDevice {
-        let host_page = host_page_size();
-        let g = granularity.max(host_page).next_power_of_two();
-        SimDevice {
-            inner: Arc::new(SimInner {
-                capacity,
-                granularity: g,
-                committed: AtomicU64::new(0),
-                mem: Mutex::new(MemState::default()),
-                raws: Mutex::new(RawTable::default()),
-                host_fn_panics: AtomicU64::new(0),
-            }),
-        }
+        SimDevice::builder(capacity).granularity(granularity).build()
+    }
+
+    /// A device of `capacity` bytes to configure: granularity (2 MiB unless set) and driver
+    /// costs (none unless set).
+    pub fn builder(capacity: u64) -> SimDeviceBuilder {
+        SimDeviceBuilder { capacity, granularity: 2 << 20, costs: SimCosts::NONE }
+    }
+
+    /// The driver costs this device spends.
+    pub fn costs(&self) -> SimCosts {
+        self.inner.costs
+    }
+
+    /// Bytes mapped over the device's life (every successful [`Device::map`]).
+    pub fn mapped_bytes_total(&self) -> u64 {
+        self.inner.mapped_total.load(Ordering::Acquire)
+    }
+
+    /// Bytes unmapped over the device's life (every successful [`Device::unmap`]).
+    pub fn unmapped_bytes_total(&self) -> u64 {
+        self.inner.unmapped_total.load(Ordering::Acquire)
     }
 
     /// Create a stream (the same as [`Device::create_stream`]).
@@ -377,12 +398,55 @@ impl SimDevice {
     }
 }
 
+/// Configures a [`SimDevice`]: see [`SimDevice::builder`].
+#[derive(Debug, Clone)]
+pub struct SimDeviceBuilder {
+    capacity: u64,
+    granularity: usize,
+    costs: SimCosts,
+}
+
+impl SimDeviceBuilder {
+    /// The mapping granularity: a power of two, at least the host's page size (other values
+    /// are rounded up to one).
+    pub fn granularity(mut self, granularity: usize) -> SimDeviceBuilder {
+        self.granularity = granularity;
+        self
+    }
+
+    /// The driver costs to spend (e.g. [`SimCosts::h200`]).
+    pub fn costs(mut self, costs: SimCosts) -> SimDeviceBuilder {
+        self.costs = costs;
+        self
+    }
+
+    /// The device.
+    pub fn build(self) -> SimDevice {
+        let g = self.granularity.max(host_page_size()).next_power_of_two();
+        SimDevice {
+            inner: Arc::new(SimInner {
+                capacity: self.capacity,
+                granularity: g,
+                committed: AtomicU64::new(0),
+                mem: Mutex::new(MemState::default()),
+                raws: Mutex::new(RawTable::default()),
+                host_fn_panics: AtomicU64::new(0),
+                costs: self.costs,
+                driver: DriverLock::default(),
+                mapped_total: AtomicU64::new(0),
+                unmapped_total: AtomicU64::new(0),
+            }),
+        }
+    }
+}
+
 impl std::fmt::Debug for SimDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SimDevice")
             .field("capacity", &self.inner.capacity)
             .field("granularity", &self.inner.granularity)
             .field("committed", &self.committed_bytes())
+            .field("costs", &self.inner.costs)
             .finish()
     }
 }
@@ -454,12 +518,14 @@ impl Device for SimDevice {
 
     fn create_event(&self) -> Result<Event> {
         check_not_in_host_fn()?;
+        costs::spend(self.inner.costs.event_create);
         Ok(Event::from_backend(Box::new(SimEvent::default())))
     }
 
     fn record_event(&self, event: &Event, stream: &Stream) -> Result<()> {
         let h = self.running_stream(stream)?;
         let ev = sim_event(event)?;
+        costs::spend(self.inner.costs.event_record);
         let seq = h.shared.enqueue(Op::Marker)?;
         *lock(&ev.record) = Some((Arc::clone(&h.shared), seq));
         Ok(())
@@ -468,6 +534,7 @@ impl Device for SimDevice {
     fn query_event(&self, event: &Event) -> Result<bool> {
         check_not_in_host_fn()?;
         self.inner.check_fault()?;
+        costs::spend(self.inner.costs.event_query);
         let rec = lock(&sim_event(event)?.record).clone();
         Ok(match rec {
             None => true,
@@ -605,6 +672,7 @@ impl Device for SimDevice {
         if bytes == 0 || addr % g != 0 || len % g != 0 {
             return Err(Error::InvalidArgument(format!("map [{addr:#x}, +{bytes}) is not granularity-aligned")));
         }
+        let _driver = self.inner.driver.spend(self.inner.costs.map(len / g));
         let mut mem = lock(&self.inner.mem);
         let inside = mem.reservations.iter().any(|(&b, &l)| addr >= b && addr.saturating_add(len) <= b + l);
         if !inside {
@@ -633,6 +701,7 @@ impl Device for SimDevice {
         }
         mem.mappings.insert(addr, len);
         self.inner.committed.fetch_add(len, Ordering::AcqRel);
+        self.inner.mapped_total.fetch_add(len, Ordering::AcqRel);
         Ok(())
     }
 
@@ -643,6 +712,7 @@ impl Device for SimDevice {
         if bytes == 0 || addr % g != 0 || len % g != 0 {
             return Err(Error::InvalidArgument(format!("unmap [{addr:#x}, +{bytes}) is not granularity-aligned")));
         }
+        let _driver = self.inner.driver.spend(self.inner.costs.unmap(len / g));
         let mut mem = lock(&self.inner.mem);
         if mem.mappings.get(&addr) != Some(&len) {
             // cuMemUnmap: "the range must be the entire contiguous address range that was
@@ -668,6 +738,7 @@ impl Device for SimDevice {
             mem.mapped.remove(&page);
         }
         self.inner.committed.fetch_sub(len, Ordering::AcqRel);
+        self.inner.unmapped_total.fetch_add(len, Ordering::AcqRel);
         Ok(())
     }
 }
@@ -825,6 +896,66 @@ mod tests {
         assert!(dev.memset(base, 0, 16, &s).is_err(), "memset on unmapped memory must fail");
         // SAFETY: nothing is mapped or in use.
         unsafe { dev.release(base, 16 * g as u64).unwrap() };
+    }
+
+    #[test]
+    fn the_device_counts_what_it_mapped_and_unmapped_over_its_life() {
+        let g = 2 << 20;
+        let dev = SimDevice::new(8 * g as u64);
+        let base = dev.reserve(8 * g as u64).unwrap();
+        dev.map(base, 2 * g).unwrap();
+        dev.map(base + 2 * g as u64, g).unwrap();
+        assert!(dev.map(base, g).is_err(), "a refused map is not counted");
+        // SAFETY: nothing uses the pages.
+        unsafe { dev.unmap(base, 2 * g).unwrap() };
+        dev.map(base, g).unwrap();
+        assert_eq!(dev.mapped_bytes_total(), 4 * g as u64);
+        assert_eq!(dev.unmapped_bytes_total(), 2 * g as u64);
+        assert_eq!(dev.committed_bytes(), dev.mapped_bytes_total() - dev.unmapped_bytes_total());
+    }
+
+    #[test]
+    fn costed_maps_take_their_time_and_queue_behind_one_driver_lock() {
+        let g = 2 << 20;
+        let costs =
+            SimCosts { map_call: Duration::from_millis(3), unmap_page: Duration::from_millis(1), ..SimCosts::NONE };
+        let dev = SimDevice::builder(64 * g as u64).costs(costs).build();
+        assert_eq!(dev.costs(), costs);
+        assert!(SimDevice::new(g as u64).costs().is_free(), "SimDevice::new has no costs");
+        let base = dev.reserve(16 * g as u64).unwrap();
+        let t = std::time::Instant::now();
+        std::thread::scope(|s| {
+            for i in 0..2u64 {
+                let dev = &dev;
+                s.spawn(move || dev.map(base + i * 4 * g as u64, 4 * g).unwrap());
+            }
+        });
+        let both = t.elapsed();
+        assert!(both >= Duration::from_millis(6), "two 3 ms maps at once took {both:?}: not serialised");
+        let t = std::time::Instant::now();
+        // SAFETY: nothing uses the pages.
+        unsafe { dev.unmap(base, 4 * g).unwrap() };
+        assert!(t.elapsed() >= Duration::from_millis(4), "four pages at 1 ms a page");
+    }
+
+    #[test]
+    fn a_spin_keeps_the_stream_busy_and_spins_add_up() {
+        let dev = SimDevice::new(1 << 30);
+        let s = dev.new_stream().unwrap();
+        let ev = dev.create_event().unwrap();
+        let t = std::time::Instant::now();
+        dev.spin(&s, 100_000).unwrap();
+        dev.record_event(&ev, &s).unwrap();
+        assert!(!dev.query_event(&ev).unwrap(), "the stream reached the event during the spin");
+        dev.synchronize(&s).unwrap();
+        assert!(t.elapsed() >= Duration::from_millis(100));
+        let t = std::time::Instant::now();
+        for _ in 0..200 {
+            dev.spin(&s, 25).unwrap();
+        }
+        dev.synchronize(&s).unwrap();
+        assert!(t.elapsed() >= Duration::from_millis(5), "200 spins of 25 µs took {:?}", t.elapsed());
+        assert!(matches!(dev.spin(&s, u64::MAX), Err(Error::InvalidArgument(_))));
     }
 
     #[test]
