@@ -48,6 +48,7 @@ use crate::error::{Error, Result};
 use super::{in_host_fn, set_in_host_fn};
 
 mod cudarc_interop;
+pub(crate) use cudarc_interop::{cudarc_driver_error, wrapped_stream};
 
 /// Every driver symbol this module calls. cudarc's loader
 /// panics on a missing one, so they are all looked up before the first call.
