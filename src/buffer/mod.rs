@@ -219,7 +219,7 @@ impl Pool {
     /// Allocate a buffer of `len` elements of `T` for use on `stream` (see [`Pool::alloc`]:
     /// the same hit path). Its contents are whatever the memory last held.
     /// [`Error::InvalidArgument`] when `len * size_of::<T>()` overflows.
-    #[inline]
+    #[inline(always)]
     pub fn alloc_buffer<T: Pod>(&self, len: usize, stream: &Stream) -> Result<Buffer<T>> {
         let bytes = bytes_of::<T>(len)?;
         self.alloc(bytes, stream).map(Buffer::from_block)
@@ -246,7 +246,7 @@ impl StreamCache {
     /// Allocate a buffer of `len` elements of `T` on the cache's stream (see
     /// [`StreamCache::alloc`]: the same hit path). [`Error::InvalidArgument`] when
     /// `len * size_of::<T>()` overflows.
-    #[inline]
+    #[inline(always)]
     pub fn alloc_buffer<T: Pod>(&self, len: usize) -> Result<Buffer<T>> {
         let bytes = bytes_of::<T>(len)?;
         self.alloc(bytes).map(Buffer::from_block)
