@@ -117,6 +117,9 @@ fn use_on(block: &Block, own: &CudaStream, other: &CudaStream) -> Result<()> {
 /// `len` elements of `T` from a pool on a [`crate::CudaDevice`], for use on a cudarc stream:
 /// accepted by cudarc 0.19's copies, memsets and kernel launches (`DevicePtr<T>`,
 /// `DevicePtrMut<T>`, `PushKernelArg`). Dropping it frees it in stream order on its stream.
+/// `Send`, not `Sync`, as a [`Block`] (a use on another stream is recorded on the block
+/// without a lock): data that several threads read is one buffer per thread, or a cudarc
+/// `CudaSlice`.
 ///
 /// Made by [`Pool::alloc_cuda_buffer`], [`Pool::alloc_cuda_zeroed`],
 /// [`StreamCache::alloc_cuda_buffer`] or [`Buffer::with_cudarc_stream`], on a [`Stream`]
