@@ -131,9 +131,11 @@ impl Kit {
         unsafe { stream.launch_builder(&self.spin).arg(&cycles).launch(cfg) }.unwrap();
     }
 
+    /// Page-locked host memory (cacheable: the host reads it word by word), so that a copy
+    /// into it is asynchronous.
     fn pinned(&self, n: usize) -> PinnedHostSlice<u32> {
         // SAFETY: the memory is written by a copy before anything reads it.
-        unsafe { self.ctx.alloc_pinned::<u32>(n) }.unwrap()
+        unsafe { self.ctx.alloc_pinned_with_flags::<u32>(n, 0) }.unwrap()
     }
 
     /// No error recorded by cudarc, nothing left in the pool.

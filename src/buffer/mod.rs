@@ -8,9 +8,10 @@
 //! - **A buffer is a block.** `Buffer<T>` is a newtype over [`Block`] (six words, the same
 //!   layout), its length in elements derived from the block's bytes, so `alloc_buffer` is
 //!   `alloc` after one checked multiply by a constant: the same hit path, no extra word to
-//!   move, and `Result<Buffer<T>, Error>` is laid out as `Result<Block, Error>` (which the
-//!   pool keeps in whole words; see `Block`). `benches/buffer.rs` compares the two pairs in
-//!   one run.
+//!   move, and `Result<Buffer<T>, Error>` is the size of a block, as `Result<Block, Error>`
+//!   is (a test checks). `benches/buffer.rs` compares the two pairs in one run; the hit path
+//!   is the block's only where the compiler inlines the pool's `alloc` into the caller (see
+//!   `IMPLEMENTATION.md`, known limits), hence `#[inline(always)]` here.
 //! - **Invariants**: the block asked for exactly `len * size_of::<T>()` bytes; its address
 //!   is aligned to [`crate::ALIGN`] (256 bytes), which every `T` allowed here divides; a view
 //!   lies inside its buffer (checked when made). Overflowing lengths and ranges out of bounds

@@ -25,6 +25,14 @@ fn assert_empty(pool: &Pool) {
 }
 
 #[test]
+fn a_buffer_moves_as_a_block_does() {
+    use std::mem::size_of;
+    assert_eq!(size_of::<Buffer<f32>>(), size_of::<Block>());
+    assert_eq!(size_of::<Result<Buffer<[u8; 3]>>>(), size_of::<Result<Block>>());
+    assert_eq!(size_of::<Result<Buffer<f64>>>(), size_of::<Block>());
+}
+
+#[test]
 fn a_buffer_is_its_elements_bytes_and_round_trips_through_the_host() {
     let (_dev, pool, s) = setup();
     let src = ramp(1000);
