@@ -45,6 +45,7 @@ pub mod cache;
 #[allow(dead_code, unused_imports)]
 pub(crate) mod cache;
 
+mod buffer;
 pub(crate) mod class;
 pub mod device;
 pub mod error;
@@ -52,6 +53,18 @@ mod pool;
 pub mod replay;
 mod stats;
 
+pub use buffer::{Buffer, BufferView, BufferViewMut};
+#[cfg(feature = "cuda")]
+pub use buffer::{CudaBuffer, CudaBufferView, CudaBufferViewMut};
+/// The cudarc this crate is built with (0.19: driver and NVRTC, loaded at run time), so that
+/// a `CudaBuffer` meets the very traits the caller's cudarc code names. A downstream crate
+/// may use this re-export or depend on cudarc 0.19 itself (Cargo unifies the two), but must
+/// not turn on cudarc's `dynamic-linking` (nor `static-linking`): vrampool uses
+/// `dynamic-loading`, and cudarc's build refuses two linking modes. Nor should it turn on a
+/// CUDA version feature newer than vrampool's `cuda-12080`: cudarc builds its bindings for
+/// the newest one turned on.
+#[cfg(feature = "cuda")]
+pub use cudarc;
 #[cfg(feature = "cuda")]
 pub use device::CudaDevice;
 pub use device::{Device, DeviceKind, Event, MemInfo, SimCosts, SimDevice, Stream, StreamId};

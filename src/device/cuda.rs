@@ -32,6 +32,9 @@
 //!   once.
 //! - **Spin**: [`Device::spin`] launches a one-thread kernel that reads `%globaltimer` until
 //!   the time has passed (module `spin`), compiled once per device on first use.
+//! - **cudarc**: streams made from cudarc's `Arc<CudaStream>` and the device of a cudarc
+//!   context live in the submodule `cudarc_interop` (see its docs); a handle made there holds
+//!   the cudarc `Arc`, which is this module's only tie to cudarc's safe API.
 
 use std::ffi::{c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -46,7 +49,9 @@ use crate::error::{Error, Result};
 
 use super::{in_host_fn, set_in_host_fn};
 
+mod cudarc_interop;
 mod spin;
+pub(crate) use cudarc_interop::{cudarc_driver_error, wrapped_stream};
 use spin::SpinKernel;
 
 /// Every driver symbol this module calls. cudarc's loader
@@ -193,6 +198,9 @@ struct CudaInner {
 enum Parked {
     Stream(usize),
     Event(usize),
+    /// A cudarc stream whose vrampool handle was dropped inside a host function: dropping
+    /// it there could make cudarc call the driver (see `cudarc_interop`).
+    Cudarc(Arc<cudarc::driver::CudaStream>),
 }
 
 /// Locks here guard plain lists and are never held across user code; a poisoned one only
@@ -255,6 +263,7 @@ impl CudaInner {
                     Parked::Event(e) => {
                         let _ = sys::cuEventDestroy_v2(e as sys::CUevent);
                     }
+                    Parked::Cudarc(s) => drop(s),
                 }
             }
         }
@@ -275,6 +284,7 @@ impl CudaInner {
                 Parked::Event(e) => {
                     let _ = sys::cuEventDestroy_v2(e as sys::CUevent);
                 }
+                Parked::Cudarc(s) => drop(s),
             }
         }
     }
@@ -384,6 +394,10 @@ struct CudaStream {
     owned_live: AtomicBool,
     owned: bool,
     device: Arc<CudaInner>,
+    /// The cudarc stream this handle was made from (`cudarc_interop`), held so that the raw
+    /// handle outlives every use of this one; `None` for streams vrampool created or wrapped
+    /// from a raw handle.
+    cudarc: Option<Arc<cudarc::driver::CudaStream>>,
 }
 
 impl CudaStream {
@@ -400,6 +414,11 @@ impl Drop for CudaStream {
     fn drop(&mut self) {
         if self.take_ownership() {
             self.device.dispose(Parked::Stream(self.raw));
+        }
+        if let Some(s) = self.cudarc.take() {
+            if in_host_fn() {
+                self.device.park(Parked::Cudarc(s));
+            }
         }
     }
 }
@@ -613,6 +632,7 @@ impl Device for CudaDevice {
             owned_live: AtomicBool::new(true),
             owned: true,
             device: self.inner.clone(),
+            cudarc: None,
         };
         Ok(Stream::from_backend(raw as u64, Box::new(backend)))
     }
@@ -620,7 +640,13 @@ impl Device for CudaDevice {
     unsafe fn wrap_stream(&self, raw: u64) -> Result<Stream> {
         self.inner.enter()?;
         let raw = usize::try_from(raw).map_err(|_| Error::InvalidArgument(format!("{raw:#x} is not a stream")))?;
-        let backend = CudaStream { raw, owned_live: AtomicBool::new(false), owned: false, device: self.inner.clone() };
+        let backend = CudaStream {
+            raw,
+            owned_live: AtomicBool::new(false),
+            owned: false,
+            device: self.inner.clone(),
+            cudarc: None,
+        };
         Ok(Stream::from_backend(raw as u64, Box::new(backend)))
     }
 

@@ -27,7 +27,8 @@ pub fn pattern(i: usize, seed: u32) -> u32 {
     (i as u32).wrapping_mul(2_654_435_761) ^ seed
 }
 
-const CUDA_SRC: &str = r#"
+/// The test kernels in CUDA C, for NVRTC: `fill` and `check`.
+pub const CUDA_SRC: &str = r#"
 extern "C" __global__ void fill(unsigned int* p, size_t n, unsigned int seed) {
     size_t stride = (size_t)gridDim.x * blockDim.x;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
@@ -43,7 +44,7 @@ extern "C" __global__ void check(const unsigned int* p, size_t n, unsigned int s
 "#;
 
 /// The same two kernels by hand, for machines without NVRTC.
-const PTX_SRC: &str = r#"
+pub const PTX_SRC: &str = r#"
 .version 7.0
 .target sm_52
 .address_size 64
