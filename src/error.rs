@@ -59,6 +59,8 @@ pub enum Error {
     StreamDestroyed,
     /// No usable device: no driver, no GPU, or the driver refused to start.
     NoDevice(String),
+    /// The device cannot do what was asked (mapping memory at two addresses, say).
+    Unsupported(&'static str),
     /// [`crate::Pool::check`] found the pool's books inconsistent (a bug: please report it).
     InvariantBroken(String),
     /// A device (driver) call failed.
@@ -101,6 +103,7 @@ impl fmt::Display for Error {
             Error::StreamDestroyed => write!(f, "the stream was destroyed"),
             Error::InvariantBroken(what) => write!(f, "pool invariant broken: {what}"),
             Error::NoDevice(why) => write!(f, "no usable device: {why}"),
+            Error::Unsupported(what) => write!(f, "unsupported: {what}"),
             Error::Device { call, code, message } => write!(f, "{call} failed ({code}): {message}"),
         }
     }

@@ -365,7 +365,9 @@ mod tests {
         let warm = r.warm.as_ref().expect("a warm pass");
         assert_eq!((r.cold.events, warm.events), (6, 6));
         assert_eq!(r.peak_live, 3000000 + 4096);
-        assert!(r.cold.mapped_bytes >= r.peak_reserved);
+        // The peak may come in either pass (on a busy device the warm pass can find memory
+        // freed across streams not yet released), but never past what both mapped.
+        assert!(r.cold.mapped_bytes + warm.mapped_bytes >= r.peak_reserved);
         assert_eq!(r.peak_reserved, warm.stats.peak_reserved_bytes, "the peak covers both passes");
         assert_eq!(dev.committed_bytes(), 0, "trimmed at the end");
         assert_eq!(dev.mapped_bytes_total(), dev.unmapped_bytes_total());

@@ -69,8 +69,17 @@ pub struct Stats {
     pub ladder_waits: u64,
     /// Allocations refused with out-of-memory.
     pub ooms: u64,
-    /// Bytes mapped over the pool's life.
+    /// Bytes mapped over the pool's life (loans included: memory mapped at a second address).
     pub mapped_bytes: u64,
+    /// Runs of free pages whose memory went to pages a request landed on, instead of new
+    /// memory (trading pages without waiting for the device; see `IMPLEMENTATION.md`).
+    pub pages_lent: u64,
+    /// Pages a block took back the memory of, from the page it had been lent to, with no
+    /// device call.
+    pub pages_switched: u64,
+    /// Bytes of lent pages: mapped, serving nothing until a block takes their memory back
+    /// or a trim unmaps them.
+    pub lent_bytes: u64,
     /// Bytes unmapped over the pool's life, for any reason (trims, the release threshold,
     /// trading pages).
     pub unmapped_bytes: u64,
@@ -126,6 +135,8 @@ pub(crate) struct Counters {
     pub batches_retired: AtomicU64,
     pub device_waits: AtomicU64,
     pub mapped: AtomicU64,
+    pub pages_lent: AtomicU64,
+    pub pages_switched: AtomicU64,
     pub ladder_flushes: AtomicU64,
     pub ladder_maps: AtomicU64,
     pub ladder_waits: AtomicU64,

@@ -10,6 +10,7 @@
 use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use loom::sync::Arc;
 use loom::thread;
+use vrampool::arena::pages::Backing;
 use vrampool::arena::{Acquire, Arena, PageMap};
 use vrampool::Error;
 
@@ -189,10 +190,10 @@ fn racing_acquires_map_a_page_once() {
         let d = Arc::new(Device::new());
         let (m1, d1) = (m.clone(), d.clone());
         let t = thread::spawn(move || {
-            m1.acquire(0, 256, true, &mut |a, _| d1.map(a)).unwrap();
+            m1.acquire(0, 256, true, &mut |a, _| d1.map(a).map(|()| Backing::Fresh)).unwrap();
             assert!(d1.is_backed(0));
         });
-        m.acquire(256, 256, true, &mut |a, _| d.map(a)).unwrap();
+        m.acquire(256, 256, true, &mut |a, _| d.map(a).map(|()| Backing::Fresh)).unwrap();
         assert!(d.is_backed(0));
         t.join().unwrap();
         assert_eq!(d.maps.load(Ordering::Acquire), 1);
@@ -209,13 +210,13 @@ fn acquire_racing_unmap_free_never_loses_the_page() {
     loom::model(|| {
         let m = Arc::new(PageMap::new(0, PAGE, PAGE).unwrap());
         let d = Arc::new(Device::new());
-        m.acquire(0, 256, true, &mut |a, _| d.map(a)).unwrap();
+        m.acquire(0, 256, true, &mut |a, _| d.map(a).map(|()| Backing::Fresh)).unwrap();
         assert!(m.release(0, 256));
         let (m1, d1) = (m.clone(), d.clone());
         let t = thread::spawn(move || {
-            m1.unmap_free(0, &mut |a, _| d1.unmap(a));
+            m1.unmap_free(0, &mut |a, _, _| d1.unmap(a));
         });
-        m.acquire(0, 256, true, &mut |a, _| d.map(a)).unwrap();
+        m.acquire(0, 256, true, &mut |a, _| d.map(a).map(|()| Backing::Fresh)).unwrap();
         assert!(d.is_backed(0), "acquire returned on an unbacked page");
         t.join().unwrap();
         assert!(d.is_backed(0));
@@ -233,19 +234,19 @@ fn releases_race_and_needs_map_rolls_back() {
     loom::model(|| {
         let m = Arc::new(PageMap::new(0, 2 * PAGE, PAGE).unwrap());
         let d = Arc::new(Device::new());
-        m.acquire(0, 256, true, &mut |a, _| d.map(a)).unwrap();
-        m.acquire(512, 256, true, &mut |a, _| d.map(a)).unwrap();
+        m.acquire(0, 256, true, &mut |a, _| d.map(a).map(|()| Backing::Fresh)).unwrap();
+        m.acquire(512, 256, true, &mut |a, _| d.map(a).map(|()| Backing::Fresh)).unwrap();
         let m1 = m.clone();
         let t = thread::spawn(move || {
             assert!(m1.release(0, 256));
             // Spans page 0 (mapped) and page 1 (not): refused, page 0 left as it was.
-            assert_eq!(m1.acquire(PAGE - 256, 512, false, &mut |_, _| Ok(())), Err(Acquire::NeedsMap));
+            assert_eq!(m1.acquire(PAGE - 256, 512, false, &mut |_, _| Ok(Backing::Fresh)), Err(Acquire::NeedsMap));
         });
         assert!(m.release(512, 256));
         t.join().unwrap();
         assert_eq!(counts(&m), [(0, 0)]);
         assert_eq!(m.free_mapped_pages(), 1);
-        assert_eq!(m.unmap_free(0, &mut |a, _| d.unmap(a)), PAGE);
+        assert_eq!(m.unmap_free(0, &mut |a, _, _| d.unmap(a)), PAGE);
         assert_eq!(m.mapped_bytes(), 0);
     });
 }

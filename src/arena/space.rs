@@ -144,6 +144,20 @@ impl Space {
         }
     }
 
+    /// Give the free granules of `[to, to + len)` the fences of those at the same offsets of
+    /// `[from, from + len)`: memory that moves from one address to the other (a loan taken
+    /// back, see `arena::pages::lend`) carries the record of its last users with it.
+    pub fn copy_fences(&self, from: u64, to: u64, len: u64) {
+        let (Some(f), Some(t)) = (from.checked_sub(self.base), to.checked_sub(self.base)) else { return };
+        for i in 0..len.div_ceil(GRANULE) {
+            let src =
+                self.fences.get(((f >> GRANULE_SHIFT) + i) as usize, false).map_or(0, |w| w.load(Ordering::Acquire));
+            if let Some(w) = self.fences.get(((t >> GRANULE_SHIFT) + i) as usize, src != 0) {
+                w.store(src, Ordering::Release);
+            }
+        }
+    }
+
     /// Free `[addr, addr + size)` (a large block or a chunk this space handed out) with
     /// `fence` on each of its granules. False, with nothing changed, if it is not one.
     pub fn free(&self, addr: u64, size: u64, fence: u64) -> bool {

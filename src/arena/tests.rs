@@ -1,6 +1,7 @@
 //! Model tests of the arena and the page map against simple sequential references, and a
 //! multithreaded stress of the arena with an ownership shadow.
 
+use super::pages::Backing;
 use super::pages::MAX_RUN;
 use super::*;
 use crate::sync::atomic::{AtomicU64, Ordering};
@@ -143,13 +144,14 @@ proptest! {
                             mapped[p as usize] = true;
                         }
                         runs.push((a, l));
-                        Ok(())
+                        Ok(Backing::Fresh)
                     });
                     prop_assert!(!bad, "mapped a page twice, or a run of a bad length");
                     let fits = addr + len <= PAGES * PAGE;
                     match r {
                         Ok(()) => { prop_assert!(fits); live.push((addr, len)); }
                         Err(Acquire::NeedsMap) => prop_assert!(!may_map),
+                        Err(Acquire::Lent) => prop_assert!(false, "nothing is lent here"),
                         Err(Acquire::Failed(_)) => prop_assert!(!fits),
                     }
                 }
@@ -161,7 +163,7 @@ proptest! {
                 }
                 PageOp::Unmap(keep) => {
                     let mut bad = false;
-                    m.unmap_free(keep, &mut |a, l| {
+                    m.unmap_free(keep, &mut |a, l, _| {
                         let l = l as u64;
                         match runs.iter().position(|&r| r == (a, l)) {
                             Some(i) => { runs.swap_remove(i); }
@@ -202,7 +204,7 @@ proptest! {
         for (a, l) in live.drain(..) {
             prop_assert!(m.release(a, l));
         }
-        m.unmap_free(0, &mut |_, _| Ok(()));
+        m.unmap_free(0, &mut |_, _, _| Ok(()));
         prop_assert_eq!(m.mapped_bytes(), 0);
         let mut any = false;
         m.for_each_mapped(|_, _| any = true);
@@ -299,14 +301,14 @@ fn page_map_concurrent_acquire_maps_once() {
             s.spawn(|| {
                 for r in 0..2000u64 {
                     let addr = (r * 7 % 60) * PAGE;
-                    let mut map = |_, _| -> Result<(), Error> {
+                    let mut map = |_, _| -> Result<Backing, Error> {
                         maps.fetch_add(1, Ordering::AcqRel);
-                        Ok(())
+                        Ok(Backing::Fresh)
                     };
                     m.acquire(addr, 3 * PAGE, true, &mut map).unwrap();
                     assert!(m.release(addr, 3 * PAGE));
                     if r % 100 == 0 {
-                        m.unmap_free(8 * PAGE, &mut |_, _| Ok(()));
+                        m.unmap_free(8 * PAGE, &mut |_, _, _| Ok(()));
                     }
                 }
             });
@@ -317,6 +319,6 @@ fn page_map_concurrent_acquire_maps_once() {
     assert_eq!(live, 0);
     assert_eq!(m.mapped_bytes(), m.free_mapped_pages() * PAGE);
     let mapped_now = m.mapped_bytes();
-    assert_eq!(m.unmap_free(0, &mut |_, _| Ok(())), mapped_now);
+    assert_eq!(m.unmap_free(0, &mut |_, _, _| Ok(())), mapped_now);
     assert!(maps.load(Ordering::Acquire) >= 60);
 }

@@ -90,6 +90,7 @@ const SYMBOLS: &[&str] = &[
     "cuMemSetAccess",
     "cuMemRelease",
     "cuMemUnmap",
+    "cuMemRetainAllocationHandle",
     "cuCtxSynchronize",
     "cuModuleLoadData",
     "cuModuleGetFunction",
@@ -823,6 +824,41 @@ impl Device for CudaDevice {
             let _ = check("cuMemUnmap", unsafe { sys::cuMemUnmap(addr, bytes) });
         }
         granted
+    }
+
+    fn alias(&self, from: u64, to: u64, bytes: usize) -> Result<()> {
+        self.inner.enter()?;
+        self.inner.aligned("alias", to, bytes as u64)?;
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: asks the driver for the handle of the allocation mapped at `from` (it fails
+        // for an address that maps none); writes only `handle`.
+        check("cuMemRetainAllocationHandle", unsafe {
+            sys::cuMemRetainAllocationHandle(&mut handle, from as *mut c_void)
+        })?;
+        // SAFETY: `to` lies in the caller's reservation with nothing mapped there (the driver
+        // rejects it otherwise), and `handle` is a live allocation of `bytes` (the caller
+        // names exactly one earlier map's range, whose allocation is that size).
+        let rc = unsafe { sys::cuMemMap(to, bytes, 0, handle, 0) };
+        // The mappings keep the memory alive; our retain goes.
+        // SAFETY: `handle` was retained above and is released once.
+        let released = unsafe { sys::cuMemRelease(handle) };
+        check("cuMemMap", rc)?;
+        check("cuMemRelease", released)?;
+        let access = sys::CUmemAccessDesc {
+            location: self.inner.alloc_prop().location,
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: the whole range was mapped just above.
+        let granted = check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(to, bytes, &access, 1) });
+        if granted.is_err() {
+            // SAFETY: mapped just above and never handed out: nothing can use it.
+            let _ = check("cuMemUnmap", unsafe { sys::cuMemUnmap(to, bytes) });
+        }
+        granted
+    }
+
+    fn can_alias(&self) -> bool {
+        true
     }
 
     unsafe fn unmap(&self, addr: u64, bytes: usize) -> Result<()> {

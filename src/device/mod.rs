@@ -242,8 +242,25 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// one call than page by page). Both are multiples of the granularity, inside a reserved
     /// range, and nothing under it is mapped.
     fn map(&self, addr: u64, bytes: usize) -> Result<()>;
-    /// Unmap exactly one range mapped by one [`Device::map`] call (as CUDA requires: not part
-    /// of one, not two at once) and give its memory back to the device.
+    /// Map at `[to, to + bytes)` the physical memory mapped now at `[from, from + bytes)`,
+    /// which stays mapped there too: the same memory at two addresses, with no new memory
+    /// taken (`cuMemMap` of the allocation handle `cuMemRetainAllocationHandle` gives back).
+    /// `[from, +bytes)` is exactly the range of one earlier [`Device::map`] or `alias` call;
+    /// `to` is granularity-aligned inside a reservation with nothing mapped under it.
+    /// Unmapping either range later leaves the other; the memory goes back to the device
+    /// when its last mapping is unmapped. Devices that cannot say so
+    /// ([`Device::can_alias`] false) refuse with [`Error::Unsupported`].
+    fn alias(&self, from: u64, to: u64, bytes: usize) -> Result<()> {
+        let _ = (from, to, bytes);
+        Err(Error::Unsupported("this device cannot map memory at two addresses"))
+    }
+    /// Whether [`Device::alias`] works on this device.
+    fn can_alias(&self) -> bool {
+        false
+    }
+    /// Unmap exactly one range mapped by one [`Device::map`] or [`Device::alias`] call (as
+    /// CUDA requires: not part of one, not two at once); its memory goes back to the device
+    /// unless it is mapped elsewhere too.
     ///
     /// # Safety
     /// No work, queued or running, may still use the range; its contents are lost.
@@ -307,6 +324,8 @@ macro_rules! forward_device {
                 unsafe { (**self).release(base, bytes) }
             }
             fn map(&self, addr: u64, bytes: usize) -> Result<()> { (**self).map(addr, bytes) }
+            fn alias(&self, from: u64, to: u64, bytes: usize) -> Result<()> { (**self).alias(from, to, bytes) }
+            fn can_alias(&self) -> bool { (**self).can_alias() }
             unsafe fn unmap(&self, addr: u64, bytes: usize) -> Result<()> {
                 // SAFETY: the caller upholds unmap's contract, which is forwarded unchanged.
                 unsafe { (**self).unmap(addr, bytes) }

@@ -125,6 +125,9 @@ impl PoolInner {
             ladder_steals: Counters::get(&c.ladder_steals),
             ooms: Counters::get(&c.ooms),
             mapped_bytes: Counters::get(&c.mapped),
+            pages_lent: Counters::get(&c.pages_lent),
+            pages_switched: Counters::get(&c.pages_switched),
+            lent_bytes: self.pages.lent_pages() * self.pages.page_size(),
             unmapped_bytes: Counters::get(&c.unmapped),
             floor_bytes: self.floor_bytes(),
             largest_free_block: self.space.largest_free().max(if states.iter().any(|s| s.arena.free_chunks() > 0) {
@@ -262,17 +265,29 @@ impl PoolInner {
         if let Some(p) = problem {
             return broken(p);
         }
-        if mapped != st.reserved_bytes {
-            return broken(format!("{mapped} B of pages mapped, counter says {}", st.reserved_bytes));
+        // Physical memory: each memory mapped or lent counted once (a loan shows one memory at
+        // two pages), against the counter.
+        let doubly = self.pages.walk_doubly_mapped();
+        if !doubly.is_empty() {
+            return broken(format!("memory mapped at two pages that serve blocks: {doubly:x?}"));
+        }
+        let physical = self.pages.walk_physical();
+        if physical != st.reserved_bytes {
+            return broken(format!(
+                "{physical} B of memory mapped ({mapped} B of pages), counter says {}",
+                st.reserved_bytes
+            ));
         }
         if space_held_on_mapped != held_in_space {
             return broken(format!("{} B held on unmapped pages", held_in_space - space_held_on_mapped));
         }
         let free_mapped = mapped - held_on_mapped;
+        // Memory only lent pages still show is held, serving nothing until they go.
+        let lent_only = self.pages.walk_lent_only();
         let in_tiers = st.allocated_bytes + st.cached_bytes + st.retiring_bytes;
-        if st.reserved_bytes != in_tiers + free_mapped {
+        if st.reserved_bytes != in_tiers + free_mapped + lent_only {
             return broken(format!(
-                "reserved {} != allocated {} + cached {} + retiring {} + free-but-mapped {free_mapped}",
+                "reserved {} != allocated {} + cached {} + retiring {} + free-but-mapped {free_mapped} + lent {lent_only}",
                 st.reserved_bytes, st.allocated_bytes, st.cached_bytes, st.retiring_bytes
             ));
         }

@@ -228,6 +228,7 @@ impl PoolInner {
             }
         }
         self.settle();
+        self.unmap_lent();
         self.unmap_free(0);
         Ok(())
     }

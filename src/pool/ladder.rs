@@ -25,7 +25,8 @@
 //! 7. **Map past the peak**, up to `max_reserved`; with `trade_pages_on_map`, wholly free
 //!    pages mapped where the request does not fit are unmapped first, so the pool trades
 //!    pages rather than grow.
-//! 8. **Host waits**: on every stream's work so far and the oldest multi-stream batch, then
+//! 8. **Host waits**: on every stream's work so far (the requesting stream's too: unmapping a
+//!    page needs its work done) and the oldest multi-stream batch, then
 //!    everything idle is reclaimed again, free pages are unmapped, and the request tried
 //!    with mapping; repeated while a round released something (at most [`LAST_ROUNDS`]):
 //!    at the limit, what the request needs is what other threads free meanwhile.
@@ -90,8 +91,12 @@ impl PoolInner {
         }
         // 8.
         for _ in 0..LAST_ROUNDS {
-            let waited = self.host_wait(|s| s.id() != st.stream.id());
+            // Every stream's, this one's too: its own free memory is reusable without a wait,
+            // but unmapping a page (to map its budget where the request fits) needs the work
+            // queued on it done.
+            let waited = self.host_wait(|_| true);
             let released = self.reclaim_held(true);
+            self.unmap_lent();
             self.unmap_free(0);
             let allowed = Mode { reuse: Reuse::Ready, mapping: Mapping::Allowed };
             if let Some(a) = self.place(st, size, allowed)? {
@@ -124,7 +129,10 @@ impl PoolInner {
     fn map_past_peak(&self, st: &StreamState, size: u64) -> Result<Option<u64>> {
         let page = self.pages.page_size();
         let past_peak = (self.pages.mapped_bytes() + size).saturating_sub(self.pages.peak_mapped_bytes());
-        if past_peak > 0 && self.config.trade_pages_on_map {
+        // A device that can map memory at two addresses trades by lending (in the placement's
+        // map callback), which needs no wait; one that cannot unmaps free pages first, and only
+        // those whose work is complete.
+        if past_peak > 0 && self.config.trade_pages_on_map && !self.device.can_alias() {
             // Pages can go only once their fences are complete: learn which are.
             self.settle();
             let free = self.pages.free_mapped_pages() * page;

@@ -36,11 +36,12 @@ const BORROW_CLASSES: usize = 16;
 /// stress run at its limit ran out of memory about one time in ten with two doublings).
 const BORROW_CLASSES_NEAR_LIMIT: usize = 8;
 
-/// ... and for large blocks only this many (three quarters of a doubling): the extra
-/// capacity is held while the block lives, and on large blocks it shows in the footprint (a
-/// whole doubling cost resnet_varbatch 1.078 → 1.104 peak reserved ÷ peak live; a quarter
-/// doubling tripled the random window's misses on an H200).
-const BORROW_CLASSES_LARGE: usize = 6;
+/// ... and for large blocks none: a borrowed block's extra capacity is held while it lives,
+/// and on large blocks it shows in the footprint. On the shared traces (simulator, busy or
+/// idle alike since pages are lent) three quarters of a doubling gave resnet_varbatch 1.136
+/// peak reserved ÷ peak live, one class 1.115, none 1.099; a large block's miss costs a walk
+/// of the extents, which its use on the device dwarfs.
+const BORROW_CLASSES_LARGE: usize = 0;
 
 // The hit path looks at most this far up.
 const _: () = assert!(BORROW_CLASSES <= crate::cache::thread::REACH_MAX);
@@ -78,13 +79,15 @@ impl ThreadCache {
 
     /// How many classes larger than `class` an allocation of it may borrow from.
     fn within(&self, class: usize, near_limit: bool) -> usize {
-        if class::size_of_class(class) >= self.pool.config.large_block_threshold {
-            BORROW_CLASSES_LARGE
-        } else if near_limit {
-            BORROW_CLASSES_NEAR_LIMIT
-        } else {
-            BORROW_CLASSES
+        let large = self.pool.config.large_block_threshold;
+        if class::size_of_class(class) >= large {
+            return BORROW_CLASSES_LARGE;
         }
+        // A small block borrows only small blocks: a large one lent to a small request is
+        // held whole while it lives, which a large request then maps again (on the shared
+        // traces 1 MiB requests took 2–4 MiB blocks, 4.7% of resnet_varbatch's peak).
+        let small_above = class::class_of(large).map_or(usize::MAX, |l| l.saturating_sub(class + 1));
+        small_above.min(if near_limit { BORROW_CLASSES_NEAR_LIMIT } else { BORROW_CLASSES })
     }
 
     /// Write every class's reach into the cache for its hit path, for the pool's state now.

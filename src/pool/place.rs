@@ -22,6 +22,7 @@ use std::sync::Arc;
 
 use super::streams::Registry;
 use super::{PoolInner, StreamState};
+use crate::arena::pages::{Backing, Mapper};
 use crate::arena::{fence_parts, fence_word, Acquire, CHUNK};
 use crate::error::{Error, OutOfMemory, Result};
 use crate::reclaim::Span;
@@ -150,6 +151,50 @@ impl<'a> Judge<'a> {
     }
 }
 
+/// What a placement for one stream does where its block lands on pages it cannot take as
+/// they are (see [`crate::arena::pages::Mapper`]).
+struct Pager<'a> {
+    pool: &'a PoolInner,
+    st: &'a StreamState,
+    /// The most bytes the pool may map (its peak, or `max_reserved`).
+    limit: u64,
+    /// Whether memory of free pages may come by loan (past the peak).
+    lend: bool,
+}
+
+impl Mapper for Pager<'_> {
+    fn map(&mut self, addr: u64, len: usize) -> Result<Backing> {
+        let pool = self.pool;
+        // Past the peak, the memory of free pages mapped where the request did not fit comes
+        // to the request's pages (a loan: see `arena::pages::lend`) before new memory does.
+        if self.lend
+            && pool.pages.mapped_bytes() + len as u64 > pool.pages.peak_mapped_bytes()
+            && pool.lend_to(self.st, addr, len)
+        {
+            return Ok(Backing::Lent);
+        }
+        pool.map_pages(addr, len, self.limit).map(|()| Backing::Fresh)
+    }
+
+    fn switch(&mut self, from: u64, to: u64) -> bool {
+        // The memory comes back from `from` if the work queued there is ordered before this
+        // stream's (its own, or complete), and carries `from`'s fences with it.
+        let pool = self.pool;
+        let page = pool.pages.page_size();
+        let mut judge = Judge::new(pool, self.st.slot, Reuse::Ready);
+        let mut ok = true;
+        pool.space.fences(from, page, |_, w| {
+            ok = judge.fence_ok(w);
+            ok
+        });
+        if ok {
+            pool.space.copy_fences(from, to, page);
+            Counters::bump(&pool.counters.pages_switched, 1);
+        }
+        ok
+    }
+}
+
 impl PoolInner {
     /// Place `size` bytes (as `Space::size_for` gives) for `st`'s stream: the address, or None
     /// when `mode` finds no room (nothing changed then).
@@ -182,16 +227,26 @@ impl PoolInner {
             judge.waits.clear();
             judge.memo = None;
             judge.own = false;
-            if mode.mapping == Mapping::Forbidden {
-                let mut p = addr / page * page;
-                while p < addr + len {
-                    if !pages.is_mapped(p) {
-                        // Skip every unmapped page from here at once: the untouched rest of
-                        // the range is one free run.
-                        return Err(pages.next_mapped(p).map_or(u64::MAX - 1, |m| m - 1));
-                    }
-                    p += page;
+            // A lent page serves a block only by taking its memory back, which needs the page
+            // it went to free and not wanted by the same block; without mapping, only mapped
+            // pages (or those) will do.
+            let mut p = addr / page * page;
+            let mut sources = Vec::new();
+            while p < addr + len {
+                let lent = pages.is_lent(p);
+                if lent {
+                    let free_elsewhere = pages
+                        .switch_source(p)
+                        .filter(|s| !(addr / page * page..addr + len).contains(s) && !sources.contains(s));
+                    let Some(source) = free_elsewhere else { return Err(p + page - 1) };
+                    sources.push(source);
                 }
+                if mode.mapping == Mapping::Forbidden && !lent && !pages.is_mapped(p) {
+                    // Skip every unmapped page from here at once: the untouched rest of the
+                    // range is one free run.
+                    return Err(pages.next_mapped(p).map_or(u64::MAX - 1, |m| m - 1));
+                }
+                p += page;
             }
             // On a refused fence, skip the granules after it that carry the same one.
             let (mut bad, mut refused) = (None, None);
@@ -216,13 +271,14 @@ impl PoolInner {
             Mapping::WithinPeak => self.max_reserved.min(self.pages.peak_mapped_bytes()),
             Mapping::Allowed => self.max_reserved,
         };
-        let mut map = |p: u64, len: usize| self.map_pages(p, len, limit);
+        let lend = mode.mapping == Mapping::Allowed && self.config.trade_pages_on_map && self.device.can_alias();
+        let mut map = Pager { pool: self, st, limit, lend };
         match self.pages.acquire(addr, size, mode.mapping != Mapping::Forbidden, &mut map) {
             Ok(()) => {}
             Err(why) => {
                 self.space.give_back(addr, size);
                 return match why {
-                    Acquire::NeedsMap => Ok(None),
+                    Acquire::NeedsMap | Acquire::Lent => Ok(None),
                     // Over budget, or the device itself is out of memory: the next rung.
                     Acquire::Failed(Error::OutOfMemory(_)) | Acquire::Failed(Error::Device { code: 2, .. }) => Ok(None),
                     Acquire::Failed(e) => Err(e),
@@ -238,6 +294,50 @@ impl PoolInner {
             Counters::bump(&self.counters.same_stream_reuses, 1);
         }
         Ok(Some(addr))
+    }
+
+    /// Lend the memory of wholly free pages to the `len` bytes at `to`, which a placement for
+    /// `st` holds for mapping: pages whose every fence lets `st` reuse them at once (freed on
+    /// its own stream, or complete), so the new use is ordered after the old. True when lent.
+    fn lend_to(&self, st: &StreamState, to: u64, len: usize) -> bool {
+        let mut judge = Judge::new(self, st.slot, Reuse::Ready);
+        let mut accept = |from: u64, l: u64| {
+            let mut ok = true;
+            self.space.fences(from, l, |_, w| {
+                ok = judge.fence_ok(w);
+                ok
+            });
+            ok
+        };
+        let mut alias = |from: u64, to: u64, l: usize| {
+            self.device.alias(from, to, l)?;
+            Counters::bump(&self.counters.mapped, l as u64);
+            Ok(())
+        };
+        let lent = self.pages.lend(to, len, &mut accept, &mut alias);
+        if lent {
+            Counters::bump(&self.counters.pages_lent, 1);
+        }
+        lent
+    }
+
+    /// Unmap the lent pages no stream's work can touch any more (their memory stays where
+    /// it was lent); returns the bytes unmapped.
+    pub(crate) fn unmap_lent(&self) -> u64 {
+        let mut accept = |from: u64, len: u64| self.may_unmap(from, len);
+        let mut unmap = |page: u64, len: usize, freed: u64| {
+            // SAFETY: a lent page holds no block and serves none, and every fence on it is
+            // complete: no work queued on any stream can use it. Its memory stays mapped at
+            // the page it was lent to, unless that page went before it (`freed`).
+            let r = unsafe { self.device.unmap(page, len) };
+            if r.is_ok() {
+                self.map_budget.fetch_sub(freed, Ordering::AcqRel);
+            }
+            r
+        };
+        let n = self.pages.unmap_lent(&mut accept, &mut unmap);
+        Counters::bump(&self.counters.unmapped, n);
+        n
     }
 
     /// Give `st`'s arena the chunk at `chunk` (claimed, its pages taken). False, with the
@@ -384,7 +484,7 @@ impl PoolInner {
         let free = self.pages.free_mapped_pages() * page;
         let held = self.pages.mapped_bytes().saturating_sub(free);
         let keep = keep.max(self.floor_bytes().saturating_sub(held));
-        let mut unmap = |page: u64, len: usize| {
+        let mut unmap = |page: u64, len: usize, freed: u64| {
             if !self.may_unmap(page, len as u64) {
                 return Err(Error::NotPermitted("a stream's work may still use the page"));
             }
@@ -393,7 +493,7 @@ impl PoolInner {
             // no work queued on any stream can use them.
             let r = unsafe { self.device.unmap(page, len) };
             if r.is_ok() {
-                self.map_budget.fetch_sub(len as u64, Ordering::AcqRel);
+                self.map_budget.fetch_sub(freed, Ordering::AcqRel);
             }
             r
         };

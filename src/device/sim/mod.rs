@@ -3,7 +3,7 @@
 //! It plays the part of the hardware and the driver, so it uses `std` locks and threads on
 //! purpose (never the `sync` facade: loom models must not see it).
 //!
-//! - **Memory** is one host address range reserved with `mmap(PROT_NONE)` and committed page
+//! - **Memory** (module `memory`) is one host address range reserved with `mmap(PROT_NONE)`, with the pages of a sparse memory file mapped under it; a page can be shown at two addresses (aliasing); it used to be committed page
 //!   by page (`mprotect` to read-write on map; `madvise(DONTNEED)` and back to `PROT_NONE` on
 //!   unmap), so untouched memory costs nothing and a pool can manage tens of GiB on a laptop.
 //!   Device addresses are host addresses: a host function may read and write them as a kernel
@@ -38,6 +38,9 @@ use super::costs::{self, DriverLock, SimCosts};
 use super::{in_host_fn_error, Device, DeviceKind, Event, HostFn, MemInfo, Stream};
 use crate::error::{Error, Result};
 
+mod memory;
+use memory::Memory;
+
 fn check_not_in_host_fn() -> Result<()> {
     if super::in_host_fn() {
         Err(in_host_fn_error())
@@ -65,8 +68,7 @@ pub struct SimDevice {
 struct SimInner {
     capacity: u64,
     granularity: usize,
-    committed: AtomicU64,
-    mem: Mutex<MemState>,
+    mem: Memory,
     raws: Mutex<RawTable>,
     /// Host functions that panicked (the worker carries on, but tests want to know).
     host_fn_panics: AtomicU64,
@@ -75,19 +77,6 @@ struct SimInner {
     /// Bytes mapped and unmapped over the device's life.
     mapped_total: AtomicU64,
     unmapped_total: AtomicU64,
-}
-
-#[derive(Default)]
-struct MemState {
-    /// Reserved ranges: base → length.
-    reservations: HashMap<u64, u64>,
-    /// Base addresses of mapped pages.
-    mapped: BTreeSet<u64>,
-    /// Each map call's range (base → length): as on CUDA, an unmap must name exactly one.
-    mappings: HashMap<u64, u64>,
-    /// Sticky fault: once a stream touched memory it must not, every call fails (a CUDA
-    /// context is dead after an illegal address).
-    fault: Option<String>,
 }
 
 #[derive(Default)]
@@ -225,7 +214,7 @@ impl SimInner {
     }
 
     fn check_fault(&self) -> Result<()> {
-        match &lock(&self.mem).fault {
+        match self.mem.fault() {
             Some(why) => Err(sim_err("simulated device", format!("the context is dead: {why}"))),
             None => Ok(()),
         }
@@ -242,20 +231,7 @@ impl SimInner {
 
     /// Whether every byte of `[addr, addr + len)` lies on mapped pages.
     fn is_mapped(&self, addr: u64, len: usize) -> bool {
-        if len == 0 {
-            return true;
-        }
-        let g = self.granularity as u64;
-        let Some(end) = addr.checked_add(len as u64) else { return false };
-        let mem = lock(&self.mem);
-        let mut page = addr / g * g;
-        while page < end {
-            if !mem.mapped.contains(&page) {
-                return false;
-            }
-            page += g;
-        }
-        true
+        self.mem.is_mapped(addr, len)
     }
 
     /// Run `f` on the stream's worker once earlier work is done, checking at run time that
@@ -276,8 +252,8 @@ impl SimInner {
             if dev.is_mapped(addr, len) {
                 f();
             } else {
-                lock(&dev.mem).fault =
-                    Some(format!("illegal address: [{addr:#x}, +{len}) was unmapped before the stream used it"));
+                dev.mem
+                    .set_fault(format!("illegal address: [{addr:#x}, +{len}) was unmapped before the stream used it"));
             }
         })))
     }
@@ -374,7 +350,7 @@ impl SimDevice {
 
     /// Physical bytes mapped now.
     pub fn committed_bytes(&self) -> u64 {
-        self.inner.committed.load(Ordering::Acquire)
+        self.inner.mem.committed()
     }
 
     /// How many host functions panicked (the stream carried on after each).
@@ -427,8 +403,7 @@ impl SimDeviceBuilder {
             inner: Arc::new(SimInner {
                 capacity: self.capacity,
                 granularity: g,
-                committed: AtomicU64::new(0),
-                mem: Mutex::new(MemState::default()),
+                mem: Memory::new(self.capacity, g as u64),
                 raws: Mutex::new(RawTable::default()),
                 host_fn_panics: AtomicU64::new(0),
                 costs: self.costs,
@@ -611,133 +586,44 @@ impl Device for SimDevice {
 
     fn reserve(&self, bytes: u64) -> Result<u64> {
         check_not_in_host_fn()?;
-        let g = self.inner.granularity as u64;
-        if bytes == 0 || bytes % g != 0 {
-            return Err(Error::InvalidArgument(format!("reserve size {bytes} is not a positive multiple of {g}")));
-        }
-        // Over-reserve by one granule so the base can be aligned, then give the slack back.
-        let total = usize::try_from(bytes + g).map_err(|_| Error::InvalidArgument("reserve size too large".into()))?;
-        // SAFETY: an anonymous PROT_NONE mapping at an address of the kernel's choosing
-        // touches no existing memory.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                total,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(sim_err("cuMemAddressReserve", std::io::Error::last_os_error().to_string()));
-        }
-        let start = p as u64;
-        let base = start.div_ceil(g) * g;
-        let head = (base - start) as usize;
-        let tail = total - head - bytes as usize;
-        // SAFETY: both pieces lie inside the mapping just made and outside [base, base+bytes).
-        unsafe {
-            if head > 0 {
-                libc::munmap(p, head);
-            }
-            if tail > 0 {
-                libc::munmap((base + bytes) as *mut libc::c_void, tail);
-            }
-        }
-        lock(&self.inner.mem).reservations.insert(base, bytes);
-        Ok(base)
+        self.inner.mem.reserve(bytes)
     }
 
     unsafe fn release(&self, base: u64, bytes: u64) -> Result<()> {
         check_not_in_host_fn()?;
-        let mut mem = lock(&self.inner.mem);
-        if mem.reservations.get(&base) != Some(&bytes) {
-            return Err(Error::InvalidArgument(format!("[{base:#x}, +{bytes}) is not a reservation")));
-        }
-        if mem.mapped.range(base..base + bytes).next().is_some() {
-            return Err(sim_err("cuMemAddressFree", "pages are still mapped in the range"));
-        }
-        mem.reservations.remove(&base);
-        // SAFETY: the range is exactly one reservation made by `reserve`, with nothing mapped;
-        // the caller guarantees nothing still uses it.
-        unsafe { libc::munmap(base as *mut libc::c_void, bytes as usize) };
-        Ok(())
+        // SAFETY: the caller upholds release's contract, forwarded unchanged.
+        unsafe { self.inner.mem.release(base, bytes) }
     }
 
     fn map(&self, addr: u64, bytes: usize) -> Result<()> {
         check_not_in_host_fn()?;
-        let g = self.inner.granularity as u64;
-        let len = bytes as u64;
-        if bytes == 0 || addr % g != 0 || len % g != 0 {
-            return Err(Error::InvalidArgument(format!("map [{addr:#x}, +{bytes}) is not granularity-aligned")));
-        }
+        let (g, len) = (self.inner.granularity as u64, bytes as u64);
         let _driver = self.inner.driver.spend(self.inner.costs.map(len / g));
-        let mut mem = lock(&self.inner.mem);
-        let inside = mem.reservations.iter().any(|(&b, &l)| addr >= b && addr.saturating_add(len) <= b + l);
-        if !inside {
-            return Err(Error::InvalidArgument(format!("map [{addr:#x}, +{bytes}) is outside every reservation")));
-        }
-        if mem.mapped.range(addr..addr + len).next().is_some() {
-            return Err(sim_err("cuMemMap", "part of the range is already mapped"));
-        }
-        let used = self.inner.committed.load(Ordering::Acquire);
-        if used + len > self.inner.capacity {
-            return Err(Error::Device {
-                call: "cuMemCreate",
-                code: 2,
-                message: format!("out of memory: {used} of {} bytes mapped, {len} more asked", self.inner.capacity)
-                    .into(),
-            });
-        }
-        // SAFETY: the range lies inside one of our PROT_NONE reservations and nothing is mapped
-        // there, so changing its protection affects no other memory.
-        let rc = unsafe { libc::mprotect(addr as *mut libc::c_void, bytes, libc::PROT_READ | libc::PROT_WRITE) };
-        if rc != 0 {
-            return Err(sim_err("cuMemMap", std::io::Error::last_os_error().to_string()));
-        }
-        for page in (addr..addr + len).step_by(g as usize) {
-            mem.mapped.insert(page);
-        }
-        mem.mappings.insert(addr, len);
-        self.inner.committed.fetch_add(len, Ordering::AcqRel);
+        self.inner.mem.map(addr, len)?;
         self.inner.mapped_total.fetch_add(len, Ordering::AcqRel);
         Ok(())
     }
 
+    fn alias(&self, from: u64, to: u64, bytes: usize) -> Result<()> {
+        check_not_in_host_fn()?;
+        let (g, len) = (self.inner.granularity as u64, bytes as u64);
+        // A map without the allocation: what `cuMemMap` and `cuMemSetAccess` cost.
+        let _driver = self.inner.driver.spend(self.inner.costs.map(len / g));
+        self.inner.mem.alias(from, to, len)?;
+        self.inner.mapped_total.fetch_add(len, Ordering::AcqRel);
+        Ok(())
+    }
+
+    fn can_alias(&self) -> bool {
+        self.inner.mem.can_alias()
+    }
+
     unsafe fn unmap(&self, addr: u64, bytes: usize) -> Result<()> {
         check_not_in_host_fn()?;
-        let g = self.inner.granularity as u64;
-        let len = bytes as u64;
-        if bytes == 0 || addr % g != 0 || len % g != 0 {
-            return Err(Error::InvalidArgument(format!("unmap [{addr:#x}, +{bytes}) is not granularity-aligned")));
-        }
+        let (g, len) = (self.inner.granularity as u64, bytes as u64);
         let _driver = self.inner.driver.spend(self.inner.costs.unmap(len / g));
-        let mut mem = lock(&self.inner.mem);
-        if mem.mappings.get(&addr) != Some(&len) {
-            // cuMemUnmap: "the range must be the entire contiguous address range that was
-            // mapped to"; part of a mapping, or two of them, is refused.
-            return Err(Error::Device {
-                call: "cuMemUnmap",
-                code: 1,
-                message: format!("[{addr:#x}, +{bytes}) is not exactly one mapping").into(),
-            });
-        }
-        mem.mappings.remove(&addr);
-        // SAFETY: the range is mapped pages of our own reservation; the caller guarantees no
-        // work still uses it. DONTNEED drops the contents (the memory goes back at once) and
-        // PROT_NONE makes later use fault, as on a GPU.
-        let rc = unsafe {
-            libc::madvise(addr as *mut libc::c_void, bytes, libc::MADV_DONTNEED);
-            libc::mprotect(addr as *mut libc::c_void, bytes, libc::PROT_NONE)
-        };
-        if rc != 0 {
-            return Err(sim_err("cuMemUnmap", std::io::Error::last_os_error().to_string()));
-        }
-        for page in (addr..addr + len).step_by(g as usize) {
-            mem.mapped.remove(&page);
-        }
-        self.inner.committed.fetch_sub(len, Ordering::AcqRel);
+        // SAFETY: the caller upholds unmap's contract, forwarded unchanged.
+        unsafe { self.inner.mem.unmap(addr, len)? };
         self.inner.unmapped_total.fetch_add(len, Ordering::AcqRel);
         Ok(())
     }

@@ -3,8 +3,8 @@
 //!
 //! # What it owns
 //!
-//! One `AtomicU64` per page of the range, packing `count << 3 | cont << 2 | state`: `state` is one of
-//! [`UNMAPPED`], [`MAPPING`], [`MAPPED`], [`UNMAPPING`]; `count` is the number of live blocks
+//! One `AtomicU64` per page of the range, packing `count << 4 | cont << 3 | state`: `state` is one of
+//! [`UNMAPPED`], [`MAPPING`], [`MAPPED`], [`UNMAPPING`], [`LENT`]; `count` is the number of live blocks
 //! that overlap the page; `cont` says the page was mapped in one call with the page before it
 //! (a *run*: up to [`MAX_RUN`] pages, one physical allocation, unmapped whole). The words live in chunks of up to 512 made the first time a page in
 //! them is touched and published with a CAS into a directory of `AtomicPtr`s (the loser frees
@@ -19,7 +19,8 @@
 //!   holds count 1 while it maps).
 //! * Only the thread that moved a page into `MAPPING` or `UNMAPPING` writes its word until it
 //!   moves it out again; so a page is never mapped twice, nor unmapped under a live block.
-//! * `mapped_bytes` = pages `MAPPED` × page size, once quiet.
+//! * `mapped_bytes` = pages `MAPPED` × page size, once quiet: the physical memory held. A
+//!   `LENT` page's memory shows at another page too (see [`lend`]), which counts it.
 //!
 //! # Why it is lock-free, and its one wait
 //!
@@ -28,6 +29,8 @@
 //! thread doing the device call finishes: two threads must not map one page twice, and the
 //! second has nothing to do with the page until the first is done. That is the only wait, on
 //! device calls (tens of µs), never on another thread's bookkeeping.
+
+mod lend;
 
 use super::words::{LazyWords, CHUNK};
 use crate::sync::atomic::{AtomicU64, Ordering};
@@ -42,13 +45,19 @@ pub const MAPPING: u64 = 1;
 pub const MAPPED: u64 = 2;
 /// A thread is unmapping the page (count 0).
 pub const UNMAPPING: u64 = 3;
+/// The page's memory was lent to another page (see [`lend`]): still mapped here, for work
+/// queued before the loan, but serving nothing; unmapped once that work is done.
+pub const LENT: u64 = 4;
 
-const STATE: u64 = 3;
+const STATE: u64 = 7;
 /// Set on every page of a run but its first: the page was mapped in one call with the page
 /// before it, and can only be unmapped with it.
-const CONT: u64 = 4;
-const COUNT_SHIFT: u32 = 3;
+const CONT: u64 = 8;
+const COUNT_SHIFT: u32 = 4;
 const ONE: u64 = 1 << COUNT_SHIFT;
+/// A page held by a loan or a return in progress (see [`lend`]): `MAPPING` with count 1, so
+/// others wait for it as for a mapper.
+const HELD: u64 = ONE | MAPPING;
 /// The most pages a map may map in one call (see [`PageMap::with_max_run`]).
 pub const MAX_RUN: usize = 64;
 /// The most pages a map may cover (its directory is made eagerly: 2^30 / 512 pointers).
@@ -59,6 +68,8 @@ const MAX_PAGES: u64 = 1 << 30;
 pub enum Acquire {
     /// A page is unmapped and the caller did not allow mapping.
     NeedsMap,
+    /// A page's memory is lent elsewhere, until work queued on it completes.
+    Lent,
     /// The map callback failed, or the range is not in the map.
     Failed(Error),
 }
@@ -77,6 +88,49 @@ pub struct PageMap {
     free_mapped: AtomicU64,
     /// The most pages mapped in one call.
     max_run: usize,
+    /// Per page mapped or lent, the id (+1) of the physical memory it shows: pages show the
+    /// same memory after a loan (see [`lend`]).
+    phys: LazyWords,
+    /// Per physical memory id, the pages that show it; its memory is freed when the last
+    /// of them is unmapped.
+    refs: LazyWords,
+    /// Where the search for an unused id starts.
+    next_id: AtomicU64,
+    /// Per physical memory id, the page (+1) whose blocks use it; the others showing it are
+    /// `LENT`.
+    active: LazyWords,
+    /// Pages `LENT` now.
+    lent: AtomicU64,
+}
+
+/// What [`PageMap::acquire`] asks of its caller for pages it cannot take as they are.
+pub trait Mapper {
+    /// Put memory under `[addr, addr + len)`, pages this call holds for mapping (unmapped
+    /// until now): new memory, or memory lent by free pages ([`PageMap::lend`]).
+    fn map(&mut self, addr: u64, len: usize) -> Result<Backing, Error>;
+    /// The lent page at `to` may take its memory back from the page it was lent to, at
+    /// `from`, which is free and claimed for the move: judge whether the work queued on
+    /// `from` is ordered before the caller's, and carry `from`'s fences over to `to`. False
+    /// (the default): `to` stays lent.
+    fn switch(&mut self, from: u64, to: u64) -> bool {
+        let _ = (from, to);
+        false
+    }
+}
+
+impl<F: FnMut(u64, usize) -> Result<Backing, Error>> Mapper for F {
+    fn map(&mut self, addr: u64, len: usize) -> Result<Backing, Error> {
+        self(addr, len)
+    }
+}
+
+/// Where a map callback got the memory it put under a run of pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backing {
+    /// New physical memory.
+    Fresh,
+    /// Memory lent by free pages mapped elsewhere ([`PageMap::lend`]): no new memory.
+    Lent,
 }
 
 impl std::fmt::Debug for PageMap {
@@ -112,6 +166,11 @@ impl PageMap {
             peak: AtomicU64::new(0),
             free_mapped: AtomicU64::new(0),
             max_run: MAX_RUN,
+            phys: LazyWords::new(pages),
+            refs: LazyWords::new(pages),
+            next_id: AtomicU64::new(0),
+            active: LazyWords::new(pages),
+            lent: AtomicU64::new(0),
         })
     }
 
@@ -153,13 +212,7 @@ impl PageMap {
     /// (on an H200 one call for 64 pages costs about what 4 single pages do). On failure the
     /// references this call took are given back, and pages whose map failed are left
     /// unmapped: no state is damaged.
-    pub fn acquire(
-        &self,
-        addr: u64,
-        len: u64,
-        may_map: bool,
-        map: &mut dyn FnMut(u64, usize) -> Result<(), Error>,
-    ) -> Result<(), Acquire> {
+    pub fn acquire(&self, addr: u64, len: u64, may_map: bool, map: &mut dyn Mapper) -> Result<(), Acquire> {
         let Some((first, last)) = self.span(addr, len) else {
             return Err(Acquire::Failed(Error::InvalidArgument(format!(
                 "page map: [{addr:#x}, +{len:#x}) is not inside the range"
@@ -231,6 +284,9 @@ impl PageMap {
                             Err(now) => cur = now,
                         }
                     }
+                    // Its memory serves another page: take it back if that page is free.
+                    LENT if self.reactivate(p, map) => break true,
+                    LENT => break false,
                     // MAPPING or UNMAPPING: another thread is in a device call for this page.
                     _ => {
                         yield_now();
@@ -239,10 +295,12 @@ impl PageMap {
                 }
             };
             if !done {
-                // Needs a map the caller does not allow: no run can be pending (runs are
-                // only made when mapping is allowed).
-                self.release_pages(first, p);
-                return Err(Acquire::NeedsMap);
+                // Needs a map the caller does not allow, or its memory is lent: the run
+                // pending (if any) goes unmapped, and the pages taken go back.
+                let lent = w.load(Ordering::Acquire) & STATE == LENT;
+                let (f, to, _) = fail(run, Acquire::NeedsMap);
+                self.release_pages(f, to.min(p));
+                return Err(if lent { Acquire::Lent } else { Acquire::NeedsMap });
             }
             p += 1;
         }
@@ -258,21 +316,26 @@ impl PageMap {
     /// Map the `n` pages from `s`, which this thread holds in MAPPING (count 1 each), in one
     /// call; on success they become MAPPED (the first a run head, the rest `CONT`), on failure
     /// UNMAPPED again.
-    fn map_run(&self, s: usize, n: usize, map: &mut dyn FnMut(u64, usize) -> Result<(), Error>) -> Result<(), Error> {
+    fn map_run(&self, s: usize, n: usize, map: &mut dyn Mapper) -> Result<(), Error> {
         let page = self.page_size();
         // `page * n` is at most MAX_RUN pages of a range that fits in memory maps; usize is
         // 64-bit on every target the pool supports, so the cast is exact.
-        match map(self.page_addr(s), (page * n as u64) as usize) {
-            Ok(()) => {
+        match map.map(self.page_addr(s), (page * n as u64) as usize) {
+            Ok(backing) => {
                 for q in s..s + n {
+                    if backing == Backing::Fresh {
+                        self.show_fresh(q);
+                    }
                     if let Some(w) = self.word(q, false) {
                         // We alone write the word while it is MAPPING: a store will do.
                         let cont = if q > s { CONT } else { 0 };
                         w.store(ONE | MAPPED | cont, Ordering::Release);
                     }
                 }
-                let now = self.mapped.fetch_add(page * n as u64, Ordering::AcqRel) + page * n as u64;
-                self.peak.fetch_max(now, Ordering::AcqRel);
+                if backing == Backing::Fresh {
+                    let now = self.mapped.fetch_add(page * n as u64, Ordering::AcqRel) + page * n as u64;
+                    self.peak.fetch_max(now, Ordering::AcqRel);
+                }
                 Ok(())
             }
             Err(e) => {
@@ -334,7 +397,9 @@ impl PageMap {
     /// back whole or not at all), highest address first (placement is lowest first, so high
     /// pages are the least likely to be wanted again), until at most `keep_bytes` of free
     /// mapped pages remain. A run whose unmap fails stays mapped. Returns the bytes unmapped.
-    pub fn unmap_free(&self, keep_bytes: u64, unmap: &mut dyn FnMut(u64, usize) -> Result<(), Error>) -> u64 {
+    /// `unmap(addr, len, freed)` is told the bytes of physical memory the unmap gives back to
+    /// the device (less than `len` where other pages still show the memory, see [`lend`]).
+    pub fn unmap_free(&self, keep_bytes: u64, unmap: &mut dyn FnMut(u64, usize, u64) -> Result<(), Error>) -> u64 {
         let page = self.page_size();
         let mut unmapped = 0;
         let mut p = self.words.len();
@@ -349,7 +414,9 @@ impl PageMap {
                 continue;
             };
             let v = w.load(Ordering::Acquire);
-            if v & STATE != MAPPED || v >> COUNT_SHIFT != 0 {
+            if v & STATE != MAPPED || v >> COUNT_SHIFT != 0 || self.shared(p) {
+                // A page whose memory lent pages also show goes after them (its memory would
+                // not be freed).
                 continue;
             }
             // The run around `p`: back to its head, forward to its last page.
@@ -361,7 +428,7 @@ impl PageMap {
             while self.word(end + 1, false).is_some_and(|w| w.load(Ordering::Acquire) & CONT != 0) {
                 end += 1;
             }
-            if let Some(bytes) = self.unmap_run(head, end, unmap) {
+            if let Some(bytes) = self.unmap_run(head, end, MAPPED, unmap) {
                 unmapped += bytes;
             }
             p = head;
@@ -369,52 +436,182 @@ impl PageMap {
         unmapped
     }
 
-    /// Claim every page of the run `head..=end` (MAPPED, count 0 → UNMAPPING), unmap it in one
-    /// call and mark it UNMAPPED. If a page is taken meanwhile, or the unmap fails, the pages
-    /// claimed go back to MAPPED. Returns the bytes unmapped.
+    /// Claim every page of the run `head..=end` (`from` — MAPPED with count 0, or LENT —
+    /// → UNMAPPING), unmap it in one call and mark it UNMAPPED; the physical memory only
+    /// these pages showed is freed. If a page is taken meanwhile, or the unmap fails, the
+    /// pages claimed go back as they were. Returns the bytes unmapped.
     fn unmap_run(
         &self,
         head: usize,
         end: usize,
-        unmap: &mut dyn FnMut(u64, usize) -> Result<(), Error>,
+        from: u64,
+        unmap: &mut dyn FnMut(u64, usize, u64) -> Result<(), Error>,
     ) -> Option<u64> {
         let page = self.page_size();
         let mut claimed = Vec::with_capacity(end - head + 1);
+        let back = |claimed: Vec<(u64, &AtomicU64)>| {
+            for (c, w) in claimed {
+                w.store(from | c, Ordering::Release);
+            }
+        };
         for q in head..=end {
-            let w = self.word(q, false)?;
+            let Some(w) = self.word(q, false) else {
+                back(claimed);
+                return None;
+            };
             let cont = if q > head { CONT } else { 0 };
-            let free = MAPPED | cont;
-            if w.compare_exchange(free, UNMAPPING | cont, Ordering::AcqRel, Ordering::Acquire).is_err() {
-                for (c, cw) in claimed {
-                    let cw: &AtomicU64 = cw;
-                    cw.store(MAPPED | c, Ordering::Release);
-                }
+            if w.compare_exchange(from | cont, UNMAPPING | cont, Ordering::AcqRel, Ordering::Acquire).is_err() {
+                back(claimed);
                 return None;
             }
             claimed.push((cont, w));
         }
         let n = claimed.len() as u64;
-        self.free_mapped.fetch_sub(n, Ordering::AcqRel);
-        // Out of `mapped` before the unmap call: the caller's `unmap` gives the pages' budget
-        // back once the device has them, and a mapper may then map at once; were they still
-        // counted here, its `mapped` (and so the peak) would briefly count them twice.
-        self.mapped.fetch_sub(page * n, Ordering::AcqRel);
-        match unmap(self.page_addr(head), (page * n) as usize) {
+        let state_count = if from == LENT { &self.lent } else { &self.free_mapped };
+        state_count.fetch_sub(n, Ordering::AcqRel);
+        // The memory these pages alone show goes with them. Out of `mapped` before the unmap
+        // call: the caller gives that much budget back once the device has it, and a mapper
+        // may then map at once; were it still counted here, its `mapped` (and so the peak)
+        // would briefly count it twice. Their refs drop only once the unmap is done: an id
+        // with no ref may be given to fresh memory at once, and a failed unmap keeps its
+        // pages. No other page can start showing memory only these show meanwhile (it would
+        // have to be lent by one of them, and they are claimed).
+        let alone: Vec<bool> =
+            (head..=end).map(|q| self.refs_of(q).is_some_and(|r| r.load(Ordering::Acquire) == 1)).collect();
+        let freed = alone.iter().filter(|&&a| a).count() as u64 * page;
+        self.mapped.fetch_sub(freed, Ordering::AcqRel);
+        match unmap(self.page_addr(head), (page * n) as usize, freed) {
             Ok(()) => {
+                for q in head..=end {
+                    self.drop_ref(q);
+                    if let Some(w) = self.phys.get(q, false) {
+                        w.store(0, Ordering::Release);
+                    }
+                }
                 for (_, w) in claimed {
                     w.store(UNMAPPED, Ordering::Release);
                 }
                 Some(page * n)
             }
             Err(_) => {
-                self.mapped.fetch_add(page * n, Ordering::AcqRel);
-                for (c, w) in claimed {
-                    w.store(MAPPED | c, Ordering::Release);
-                }
-                self.free_mapped.fetch_add(n, Ordering::AcqRel);
+                self.mapped.fetch_add(freed, Ordering::AcqRel);
+                back(claimed);
+                state_count.fetch_add(n, Ordering::AcqRel);
                 None
             }
         }
+    }
+
+    /// Page `q` shows fresh memory: give it an unused id. Ids are as many as pages and at
+    /// most as many are in use as pages show memory, so one is always free; the search
+    /// goes round from where the last one ended.
+    fn show_fresh(&self, q: usize) {
+        let n = self.refs.len() as u64;
+        for _ in 0..n {
+            let id = (self.next_id.fetch_add(1, Ordering::AcqRel) % n) as usize;
+            let Some(r) = self.refs.get(id, true) else { continue };
+            if r.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                if let Some(w) = self.phys.get(q, true) {
+                    w.store(id as u64 + 1, Ordering::Release);
+                }
+                if let Some(a) = self.active.get(id, true) {
+                    a.store(q as u64 + 1, Ordering::Release);
+                }
+                return;
+            }
+        }
+    }
+
+    /// The refs word of the memory page `q` shows.
+    fn refs_of(&self, q: usize) -> Option<&AtomicU64> {
+        let id = self.phys.get(q, false)?.load(Ordering::Acquire).checked_sub(1)?;
+        self.refs.get(id as usize, false)
+    }
+
+    /// Whether other pages (lent ones) show the memory page `q` shows.
+    fn shared(&self, q: usize) -> bool {
+        self.refs_of(q).is_some_and(|r| r.load(Ordering::Acquire) > 1)
+    }
+
+    /// One page more shows the memory page `q` shows.
+    fn add_ref(&self, q: usize) {
+        if let Some(r) = self.refs_of(q) {
+            r.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Page `q` no longer shows its memory; true if no page does any more.
+    fn drop_ref(&self, q: usize) -> bool {
+        self.refs_of(q).is_some_and(|r| r.fetch_sub(1, Ordering::AcqRel) == 1)
+    }
+
+    /// The id (+1) of the memory page `q` shows, 0 if none (for walks).
+    fn phys_of(&self, q: usize) -> u64 {
+        self.phys.get(q, false).map_or(0, |w| w.load(Ordering::Acquire))
+    }
+
+    /// Bytes of physical memory shown by mapped or lent pages, by a walk (exact when quiet):
+    /// what `mapped_bytes` must agree with.
+    pub fn walk_physical(&self) -> u64 {
+        let mut ids = Vec::new();
+        for c in 0..self.words.chunks() {
+            let Some(chunk) = self.words.chunk(c) else { continue };
+            for (j, w) in chunk.iter().enumerate() {
+                let st = w.load(Ordering::Acquire) & STATE;
+                if st == MAPPED || st == LENT {
+                    ids.push(self.phys_of(c * CHUNK + j));
+                }
+            }
+        }
+        ids.sort_unstable();
+        ids.dedup();
+        ids.len() as u64 * self.page_size()
+    }
+
+    /// The ids (+1) shown by more than one mapped page, by a walk (exact when quiet): a
+    /// memory serves the blocks of one page at a time, so this is empty once quiet.
+    pub fn walk_doubly_mapped(&self) -> Vec<(u64, Vec<u64>)> {
+        let mut by_id: std::collections::BTreeMap<u64, Vec<u64>> = std::collections::BTreeMap::new();
+        for c in 0..self.words.chunks() {
+            let Some(chunk) = self.words.chunk(c) else { continue };
+            for (j, w) in chunk.iter().enumerate() {
+                if w.load(Ordering::Acquire) & STATE == MAPPED {
+                    by_id.entry(self.phys_of(c * CHUNK + j)).or_default().push(self.page_addr(c * CHUNK + j));
+                }
+            }
+        }
+        let shown: u64 = (0..self.words.len())
+            .filter(|&q| {
+                self.word(q, false).is_some_and(|w| matches!(w.load(Ordering::Acquire) & STATE, MAPPED | LENT))
+            })
+            .count() as u64;
+        let refs: u64 =
+            (0..self.refs.len()).map(|i| self.refs.get(i, false).map_or(0, |r| r.load(Ordering::Acquire))).sum();
+        let mut v: Vec<(u64, Vec<u64>)> = by_id.into_iter().filter(|(_, v)| v.len() > 1).collect();
+        if refs != shown {
+            v.push((u64::MAX, vec![refs, shown]));
+        }
+        v
+    }
+
+    /// Bytes of physical memory that only lent pages show (held, serving nothing until the
+    /// lent pages are unmapped), by a walk: exact when quiet.
+    pub fn walk_lent_only(&self) -> u64 {
+        let (mut shown, mut lent) = (Vec::new(), Vec::new());
+        for c in 0..self.words.chunks() {
+            let Some(chunk) = self.words.chunk(c) else { continue };
+            for (j, w) in chunk.iter().enumerate() {
+                match w.load(Ordering::Acquire) & STATE {
+                    MAPPED => shown.push(self.phys_of(c * CHUNK + j)),
+                    LENT => lent.push(self.phys_of(c * CHUNK + j)),
+                    _ => {}
+                }
+            }
+        }
+        shown.sort_unstable();
+        lent.sort_unstable();
+        lent.dedup();
+        lent.iter().filter(|id| shown.binary_search(id).is_err()).count() as u64 * self.page_size()
     }
 
     /// Bytes mapped now.
@@ -436,6 +633,13 @@ impl PageMap {
         } else {
             v
         }
+    }
+
+    /// True if the page holding `page_addr` is lent (see [`lend`]).
+    pub fn is_lent(&self, page_addr: u64) -> bool {
+        self.span(page_addr, 1)
+            .and_then(|(p, _)| self.word(p, false))
+            .is_some_and(|w| w.load(Ordering::Acquire) & STATE == LENT)
     }
 
     /// True if the page holding `page_addr` is mapped.
@@ -478,159 +682,4 @@ impl PageMap {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    const P: u64 = 1 << 21;
-
-    fn ok_map(log: &mut Vec<(u64, u64)>) -> impl FnMut(u64, usize) -> Result<(), Error> + '_ {
-        move |a, l| {
-            log.push((a, l as u64));
-            Ok(())
-        }
-    }
-
-    #[test]
-    fn new_validates() {
-        assert!(PageMap::new(0, P * 4, 3).is_err());
-        assert!(PageMap::new(1, P * 4, P).is_err());
-        assert!(PageMap::new(0, P * 4 + 1, P).is_err());
-        assert!(PageMap::new(0, 0, P).is_err());
-        assert!(PageMap::new(0, 1 << 62, 1 << 12).is_err());
-    }
-
-    #[test]
-    fn acquire_maps_each_page_once_and_counts_blocks() {
-        let m = PageMap::new(P, 8 * P, P).unwrap();
-        let mut log = vec![];
-        m.acquire(P + 100, 2 * P, true, &mut ok_map(&mut log)).unwrap();
-        m.acquire(P, 256, true, &mut ok_map(&mut log)).unwrap();
-        assert_eq!(log, vec![(P, 3 * P)], "three unmapped pages in a row are one run, mapped in one call");
-        let mut seen = vec![];
-        m.for_each_mapped(|a, c| seen.push((a, c)));
-        assert_eq!(seen, vec![(P, 2), (2 * P, 1), (3 * P, 1)]);
-        assert_eq!((m.mapped_bytes(), m.peak_mapped_bytes(), m.free_mapped_pages()), (3 * P, 3 * P, 0));
-        assert!(m.release(P + 100, 2 * P));
-        assert_eq!(m.free_mapped_pages(), 2);
-        assert!(m.is_mapped(3 * P) && !m.is_mapped(4 * P));
-    }
-
-    #[test]
-    fn needs_map_rolls_back_pages_already_taken() {
-        let m = PageMap::new(0, 4 * P, P).unwrap();
-        m.acquire(0, 1, true, &mut |_, _| Ok(())).unwrap();
-        assert_eq!(m.acquire(0, 2 * P, false, &mut |_, _| Ok(())), Err(Acquire::NeedsMap));
-        let mut seen = vec![];
-        m.for_each_mapped(|a, c| seen.push((a, c)));
-        assert_eq!(seen, vec![(0, 1)]);
-    }
-
-    #[test]
-    fn map_failure_leaves_page_unmapped_and_rolls_back() {
-        let m = PageMap::new(0, 4 * P, P).unwrap();
-        m.acquire(P, P, true, &mut |_, _| Ok(())).unwrap();
-        let err = Error::Device { call: "map", code: -1, message: Box::new("no".into()) };
-        let e2 = err.clone();
-        // Page 0 is a run of its own (page 1 is mapped), page 2 another, whose map fails.
-        let r = m.acquire(0, 3 * P, true, &mut |a, _| if a == 2 * P { Err(e2.clone()) } else { Ok(()) });
-        assert_eq!(r, Err(Acquire::Failed(err)));
-        let mut seen = vec![];
-        m.for_each_mapped(|a, c| seen.push((a, c)));
-        assert_eq!(seen, vec![(0, 0), (P, 1)], "page 0 mapped but given back, page 1 as before, page 2 unmapped");
-        assert_eq!(m.free_mapped_pages(), 1);
-        assert_eq!(m.unmap_free(0, &mut |_, _| Ok(())), P);
-        assert_eq!(m.mapped_bytes(), P);
-    }
-
-    #[test]
-    fn a_run_goes_back_whole_or_not_at_all() {
-        let m = PageMap::new(0, 8 * P, P).unwrap();
-        m.acquire(0, 4 * P, true, &mut |_, _| Ok(())).unwrap();
-        m.release(0, 4 * P);
-        m.acquire(3 * P, 1, true, &mut |_, _| panic!("page 3 is mapped")).unwrap();
-        assert_eq!(m.free_mapped_pages(), 3);
-        assert_eq!(m.unmap_free(0, &mut |_, _| panic!("the run has a live page")), 0);
-        m.release(3 * P, 1);
-        let mut calls = vec![];
-        let n = m.unmap_free(0, &mut |a, l| {
-            calls.push((a, l as u64));
-            Ok(())
-        });
-        assert_eq!((n, calls), (4 * P, vec![(0, 4 * P)]));
-        assert_eq!(m.mapped_bytes(), 0);
-    }
-
-    #[test]
-    fn runs_are_at_most_max_run_pages() {
-        let m = PageMap::new(0, (2 * MAX_RUN as u64 + 4) * P, P).unwrap();
-        let mut log = vec![];
-        m.acquire(0, (MAX_RUN as u64 + 3) * P, true, &mut ok_map(&mut log)).unwrap();
-        assert_eq!(log, vec![(0, MAX_RUN as u64 * P), (MAX_RUN as u64 * P, 3 * P)]);
-    }
-
-    #[test]
-    fn bad_ranges_and_extra_releases_are_refused() {
-        let m = PageMap::new(P, 4 * P, P).unwrap();
-        assert!(matches!(m.acquire(0, 1, true, &mut |_, _| Ok(())), Err(Acquire::Failed(_))));
-        assert!(matches!(m.acquire(P, 0, true, &mut |_, _| Ok(())), Err(Acquire::Failed(_))));
-        assert!(matches!(m.acquire(P, u64::MAX, true, &mut |_, _| Ok(())), Err(Acquire::Failed(_))));
-        assert!(!m.release(P, P));
-        m.acquire(P, P, true, &mut |_, _| Ok(())).unwrap();
-        assert!(m.release(P, P));
-        assert!(!m.release(P, P), "count is already 0");
-        assert_eq!(m.free_mapped_pages(), 1);
-    }
-
-    #[test]
-    fn unmap_free_keeps_the_lowest_pages_and_skips_live_ones() {
-        let m = PageMap::new(0, 8 * P, P).unwrap();
-        // One page at a time: six runs of one page.
-        for p in 0..6 {
-            m.acquire(p * P, P, true, &mut |_, _| Ok(())).unwrap();
-        }
-        m.release(P, 5 * P);
-        m.acquire(3 * P, 1, true, &mut |_, _| Ok(())).unwrap();
-        // free mapped: pages 1, 2, 4, 5; page 0 and 3 live
-        let mut gone = vec![];
-        let n = m.unmap_free(2 * P, &mut |a, _| {
-            gone.push(a);
-            Ok(())
-        });
-        assert_eq!((n, gone), (2 * P, vec![5 * P, 4 * P]));
-        let failing = m.unmap_free(0, &mut |_, _| Err(Error::NotPermitted("test")));
-        assert_eq!(failing, 0);
-        assert_eq!(m.free_mapped_pages(), 2);
-        assert_eq!(m.unmap_free(0, &mut |_, _| Ok(())), 2 * P);
-        assert_eq!(m.mapped_bytes(), 2 * P);
-        assert_eq!(m.peak_mapped_bytes(), 6 * P);
-    }
-
-    #[test]
-    fn pages_being_unmapped_are_no_longer_counted_as_mapped() {
-        // The caller's unmap gives the pages' budget back, and another thread may map at once:
-        // `mapped` (and so the peak) must not still count them then, or a pool at its limit
-        // reads a peak past it.
-        let m = PageMap::new(0, 4 * P, P).unwrap();
-        m.acquire(0, 2 * P, true, &mut |_, _| Ok(())).unwrap();
-        m.release(0, 2 * P);
-        let mut seen_during = vec![];
-        m.unmap_free(0, &mut |_, _| {
-            seen_during.push(m.mapped_bytes());
-            Ok(())
-        });
-        assert_eq!(seen_during, vec![0], "the run of two pages left `mapped` before its unmap call");
-        // A failed unmap counts them again.
-        m.acquire(0, P, true, &mut |_, _| Ok(())).unwrap();
-        m.release(0, P);
-        assert_eq!(m.unmap_free(0, &mut |_, _| Err(Error::NotPermitted("test"))), 0);
-        assert_eq!(m.mapped_bytes(), P);
-    }
-
-    #[test]
-    fn metadata_grows_with_use() {
-        let m = PageMap::new(0, 1 << 40, P).unwrap();
-        m.acquire((1 << 40) - P, P, true, &mut |_, _| Ok(())).unwrap();
-        let made = m.words.chunks_made();
-        assert_eq!(made, 1);
-    }
-}
+mod tests;

@@ -1,0 +1,182 @@
+//! Lending: moving the memory of wholly free pages to where a block needs it, without waiting
+//! for the device, and back again without a device call.
+//!
+//! A pool that would grow past its peak while free pages stay mapped where the request does
+//! not fit trades pages: their memory goes where the request lands. Unmapping a free page
+//! first would need every stream's work on it to be complete (an unmap is the host's, and
+//! work still queued would fault), so on a busy device the trade would wait, or the pool
+//! would grow. A loan needs no wait: the free page's memory is mapped *also* under the
+//! request's page (`Device::alias`), and the free page stays mapped, serving nothing
+//! (`LENT`). The new user of the memory is ordered after the old work as any reuse is: by
+//! stream order on the same stream, by the old fences' events otherwise — what the
+//! caller's judgement (`accept`, [`Mapper::switch`]) checks.
+//!
+//! A lent page is *dormant*, not gone: when a block later lands on it while the page its
+//! memory went to is free, the memory comes back with no device call at all — the two pages
+//! swap roles (see [`PageMap::acquire`]). A workload that moves between a few layouts, as a
+//! server repeating its requests does, so keeps finding its memory where it needs it, and
+//! maps nothing once warm. Lent pages are unmapped only when memory is given back (trim),
+//! once no work queued on them remains.
+//!
+//! # Invariants
+//!
+//! * Every page mapped or lent names the id of the physical memory it shows (`phys`);
+//!   `refs[id]` counts the pages that show it, and `active[id]` names the one whose blocks
+//!   use it (`MAPPED`): the others are `LENT`, with count 0, never acquired as they are.
+//!   `mapped_bytes` counts each id once; memory goes back to the device when the last page
+//!   showing it is unmapped, so a page whose memory lent pages also show is unmapped after
+//!   them.
+//! * A loan and a return hold the pages they move in `MAPPING` (as a mapper does) while they
+//!   judge and call the device, so no unmapper, lender or acquirer can take them meanwhile;
+//!   an unmapper claims a `LENT` page (`LENT` → `UNMAPPING`) only when nobody holds it.
+//! * Loans are of single pages (runs of one page: the default `map_run_pages`).
+
+use super::*;
+
+impl PageMap {
+    /// Pages `LENT` now.
+    pub fn lent_pages(&self) -> u64 {
+        self.lent.load(Ordering::Acquire)
+    }
+
+    /// The page index (+1) whose blocks use the memory page `q` shows.
+    fn active_of(&self, q: usize) -> Option<usize> {
+        let id = self.phys.get(q, false)?.load(Ordering::Acquire).checked_sub(1)?;
+        let a = self.active.get(id as usize, false)?.load(Ordering::Acquire).checked_sub(1)?;
+        Some(a as usize)
+    }
+
+    /// If the page at `page_addr` is lent and the page its memory serves is free now, that
+    /// page's address: a block landing on the lent page would take the memory back from it
+    /// (a hint for placements, which must not want that page too).
+    pub fn switch_source(&self, page_addr: u64) -> Option<u64> {
+        let (p, _) = self.span(page_addr, 1)?;
+        if self.word(p, false)?.load(Ordering::Acquire) != LENT {
+            return None;
+        }
+        let a = self.active_of(p)?;
+        (self.word(a, false)?.load(Ordering::Acquire) == MAPPED).then(|| self.page_addr(a))
+    }
+
+    /// Lend the memory of a wholly free single-page run, highest first, to the page at `to`,
+    /// which the caller holds for mapping (inside [`Mapper::map`] of [`PageMap::acquire`]):
+    /// `accept(from, len)` must take the page (the work queued on it is ordered before the
+    /// new user's), and `alias(from, to, len)` maps its memory at `to`. True when lent: the
+    /// mapper then answers [`Backing::Lent`].
+    pub fn lend(
+        &self,
+        to: u64,
+        len: usize,
+        accept: &mut dyn FnMut(u64, u64) -> bool,
+        alias: &mut dyn FnMut(u64, u64, usize) -> Result<(), Error>,
+    ) -> bool {
+        let page = self.page_size();
+        let Some((target, last)) = self.span(to, len as u64) else { return false };
+        if target != last || len as u64 != page || self.free_mapped_pages() == 0 {
+            return false;
+        }
+        let mut p = self.words.len();
+        while p > 0 {
+            p -= 1;
+            let Some(w) = self.word(p, false) else {
+                p -= p % CHUNK;
+                continue;
+            };
+            // A run of one page, mapped, with count 0.
+            let single = self.word(p + 1, false).is_none_or(|w| w.load(Ordering::Acquire) & CONT == 0);
+            if w.load(Ordering::Acquire) != MAPPED || !single || p == target {
+                continue;
+            }
+            // Held while judged and aliased: no block, unmapper or other lender can take it.
+            if w.compare_exchange(MAPPED, HELD, Ordering::AcqRel, Ordering::Acquire).is_err() {
+                continue;
+            }
+            let from = self.page_addr(p);
+            if !accept(from, page) || alias(from, to, len).is_err() {
+                w.store(MAPPED, Ordering::Release);
+                continue;
+            }
+            let id = self.phys_of(p);
+            if let Some(t) = self.phys.get(target, true) {
+                t.store(id, Ordering::Release);
+            }
+            self.add_ref(target);
+            if let Some(a) = id.checked_sub(1).and_then(|id| self.active.get(id as usize, false)) {
+                a.store(target as u64 + 1, Ordering::Release);
+            }
+            // The memory is counted once, as before; the borrower's mapper answers
+            // `Backing::Lent` and adds nothing to `mapped`. The lender leaves the free pages.
+            self.free_mapped.fetch_sub(1, Ordering::AcqRel);
+            self.lent.fetch_add(1, Ordering::AcqRel);
+            w.store(LENT, Ordering::Release);
+            return true;
+        }
+        false
+    }
+
+    /// The lent page `p` is wanted by a block: if the page its memory serves is free, hold
+    /// both, let `map.switch` judge and carry the fences over, and make `p` the memory's
+    /// active page with the caller's reference (count 1), the other page lent. False, with
+    /// nothing changed, otherwise.
+    pub(super) fn reactivate(&self, p: usize, map: &mut dyn Mapper) -> bool {
+        let Some(w) = self.word(p, false) else { return false };
+        if w.compare_exchange(LENT, HELD, Ordering::AcqRel, Ordering::Acquire).is_err() {
+            return false;
+        }
+        // Held: `p` shows the same memory until we let go.
+        let id = self.phys_of(p);
+        let twin = self.active_of(p).filter(|&a| a != p).and_then(|a| Some((a, self.word(a, false)?)));
+        let Some((a, aw)) = twin else {
+            w.store(LENT, Ordering::Release);
+            return false;
+        };
+        if aw.compare_exchange(MAPPED, HELD, Ordering::AcqRel, Ordering::Acquire).is_err() {
+            w.store(LENT, Ordering::Release);
+            return false;
+        }
+        // `a` may have been unmapped and mapped afresh since it was named the active page:
+        // only the page still showing the same memory will do.
+        if self.phys_of(a) != id || !map.switch(self.page_addr(a), self.page_addr(p)) {
+            aw.store(MAPPED, Ordering::Release);
+            w.store(LENT, Ordering::Release);
+            return false;
+        }
+        if let Some(act) = id.checked_sub(1).and_then(|id| self.active.get(id as usize, false)) {
+            act.store(p as u64 + 1, Ordering::Release);
+        }
+        // `a` leaves the free mapped pages for LENT; `p` leaves LENT with the caller's block:
+        // the lent count is unchanged.
+        self.free_mapped.fetch_sub(1, Ordering::AcqRel);
+        aw.store(LENT, Ordering::Release);
+        w.store(ONE | MAPPED, Ordering::Release);
+        true
+    }
+
+    /// Unmap the `LENT` pages that `accept(from, len)` says no work can touch any more (their
+    /// memory stays with the page it serves; `unmap` is told how much memory goes back, as in
+    /// [`PageMap::unmap_free`]). Returns the bytes unmapped.
+    pub fn unmap_lent(
+        &self,
+        accept: &mut dyn FnMut(u64, u64) -> bool,
+        unmap: &mut dyn FnMut(u64, usize, u64) -> Result<(), Error>,
+    ) -> u64 {
+        if self.lent_pages() == 0 {
+            return 0;
+        }
+        let page = self.page_size();
+        let mut unmapped = 0;
+        for c in 0..self.words.chunks() {
+            let Some(chunk) = self.words.chunk(c) else { continue };
+            for (j, w) in chunk.iter().enumerate() {
+                let p = c * CHUNK + j;
+                if w.load(Ordering::Acquire) != LENT || !accept(self.page_addr(p), page) {
+                    continue;
+                }
+                if let Some(bytes) = self.unmap_run(p, p, LENT, unmap) {
+                    unmapped += bytes;
+                }
+            }
+        }
+        unmapped
+    }
+}

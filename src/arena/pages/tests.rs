@@ -1,0 +1,222 @@
+//! The page map against hand-made cases.
+use super::*;
+
+const P: u64 = 1 << 21;
+
+fn ok_map(log: &mut Vec<(u64, u64)>) -> impl FnMut(u64, usize) -> Result<Backing, Error> + '_ {
+    move |a, l| {
+        log.push((a, l as u64));
+        Ok(Backing::Fresh)
+    }
+}
+
+#[test]
+fn new_validates() {
+    assert!(PageMap::new(0, P * 4, 3).is_err());
+    assert!(PageMap::new(1, P * 4, P).is_err());
+    assert!(PageMap::new(0, P * 4 + 1, P).is_err());
+    assert!(PageMap::new(0, 0, P).is_err());
+    assert!(PageMap::new(0, 1 << 62, 1 << 12).is_err());
+}
+
+#[test]
+fn acquire_maps_each_page_once_and_counts_blocks() {
+    let m = PageMap::new(P, 8 * P, P).unwrap();
+    let mut log = vec![];
+    m.acquire(P + 100, 2 * P, true, &mut ok_map(&mut log)).unwrap();
+    m.acquire(P, 256, true, &mut ok_map(&mut log)).unwrap();
+    assert_eq!(log, vec![(P, 3 * P)], "three unmapped pages in a row are one run, mapped in one call");
+    let mut seen = vec![];
+    m.for_each_mapped(|a, c| seen.push((a, c)));
+    assert_eq!(seen, vec![(P, 2), (2 * P, 1), (3 * P, 1)]);
+    assert_eq!((m.mapped_bytes(), m.peak_mapped_bytes(), m.free_mapped_pages()), (3 * P, 3 * P, 0));
+    assert!(m.release(P + 100, 2 * P));
+    assert_eq!(m.free_mapped_pages(), 2);
+    assert!(m.is_mapped(3 * P) && !m.is_mapped(4 * P));
+}
+
+#[test]
+fn needs_map_rolls_back_pages_already_taken() {
+    let m = PageMap::new(0, 4 * P, P).unwrap();
+    m.acquire(0, 1, true, &mut |_, _| Ok(Backing::Fresh)).unwrap();
+    assert_eq!(m.acquire(0, 2 * P, false, &mut |_, _| Ok(Backing::Fresh)), Err(Acquire::NeedsMap));
+    let mut seen = vec![];
+    m.for_each_mapped(|a, c| seen.push((a, c)));
+    assert_eq!(seen, vec![(0, 1)]);
+}
+
+#[test]
+fn map_failure_leaves_page_unmapped_and_rolls_back() {
+    let m = PageMap::new(0, 4 * P, P).unwrap();
+    m.acquire(P, P, true, &mut |_, _| Ok(Backing::Fresh)).unwrap();
+    let err = Error::Device { call: "map", code: -1, message: Box::new("no".into()) };
+    let e2 = err.clone();
+    // Page 0 is a run of its own (page 1 is mapped), page 2 another, whose map fails.
+    let r = m.acquire(0, 3 * P, true, &mut |a, _| if a == 2 * P { Err(e2.clone()) } else { Ok(Backing::Fresh) });
+    assert_eq!(r, Err(Acquire::Failed(err)));
+    let mut seen = vec![];
+    m.for_each_mapped(|a, c| seen.push((a, c)));
+    assert_eq!(seen, vec![(0, 0), (P, 1)], "page 0 mapped but given back, page 1 as before, page 2 unmapped");
+    assert_eq!(m.free_mapped_pages(), 1);
+    assert_eq!(m.unmap_free(0, &mut |_, _, _| Ok(())), P);
+    assert_eq!(m.mapped_bytes(), P);
+}
+
+#[test]
+fn a_run_goes_back_whole_or_not_at_all() {
+    let m = PageMap::new(0, 8 * P, P).unwrap();
+    m.acquire(0, 4 * P, true, &mut |_, _| Ok(Backing::Fresh)).unwrap();
+    m.release(0, 4 * P);
+    m.acquire(3 * P, 1, true, &mut |_, _| panic!("page 3 is mapped")).unwrap();
+    assert_eq!(m.free_mapped_pages(), 3);
+    assert_eq!(m.unmap_free(0, &mut |_, _, _| panic!("the run has a live page")), 0);
+    m.release(3 * P, 1);
+    let mut calls = vec![];
+    let n = m.unmap_free(0, &mut |a, l, _| {
+        calls.push((a, l as u64));
+        Ok(())
+    });
+    assert_eq!((n, calls), (4 * P, vec![(0, 4 * P)]));
+    assert_eq!(m.mapped_bytes(), 0);
+}
+
+#[test]
+fn runs_are_at_most_max_run_pages() {
+    let m = PageMap::new(0, (2 * MAX_RUN as u64 + 4) * P, P).unwrap();
+    let mut log = vec![];
+    m.acquire(0, (MAX_RUN as u64 + 3) * P, true, &mut ok_map(&mut log)).unwrap();
+    assert_eq!(log, vec![(0, MAX_RUN as u64 * P), (MAX_RUN as u64 * P, 3 * P)]);
+}
+
+#[test]
+fn bad_ranges_and_extra_releases_are_refused() {
+    let m = PageMap::new(P, 4 * P, P).unwrap();
+    assert!(matches!(m.acquire(0, 1, true, &mut |_, _| Ok(Backing::Fresh)), Err(Acquire::Failed(_))));
+    assert!(matches!(m.acquire(P, 0, true, &mut |_, _| Ok(Backing::Fresh)), Err(Acquire::Failed(_))));
+    assert!(matches!(m.acquire(P, u64::MAX, true, &mut |_, _| Ok(Backing::Fresh)), Err(Acquire::Failed(_))));
+    assert!(!m.release(P, P));
+    m.acquire(P, P, true, &mut |_, _| Ok(Backing::Fresh)).unwrap();
+    assert!(m.release(P, P));
+    assert!(!m.release(P, P), "count is already 0");
+    assert_eq!(m.free_mapped_pages(), 1);
+}
+
+#[test]
+fn unmap_free_keeps_the_lowest_pages_and_skips_live_ones() {
+    let m = PageMap::new(0, 8 * P, P).unwrap();
+    // One page at a time: six runs of one page.
+    for p in 0..6 {
+        m.acquire(p * P, P, true, &mut |_, _| Ok(Backing::Fresh)).unwrap();
+    }
+    m.release(P, 5 * P);
+    m.acquire(3 * P, 1, true, &mut |_, _| Ok(Backing::Fresh)).unwrap();
+    // free mapped: pages 1, 2, 4, 5; page 0 and 3 live
+    let mut gone = vec![];
+    let n = m.unmap_free(2 * P, &mut |a, _, _| {
+        gone.push(a);
+        Ok(())
+    });
+    assert_eq!((n, gone), (2 * P, vec![5 * P, 4 * P]));
+    let failing = m.unmap_free(0, &mut |_, _, _| Err(Error::NotPermitted("test")));
+    assert_eq!(failing, 0);
+    assert_eq!(m.free_mapped_pages(), 2);
+    assert_eq!(m.unmap_free(0, &mut |_, _, _| Ok(())), 2 * P);
+    assert_eq!(m.mapped_bytes(), 2 * P);
+    assert_eq!(m.peak_mapped_bytes(), 6 * P);
+}
+
+#[test]
+fn pages_being_unmapped_are_no_longer_counted_as_mapped() {
+    // The caller's unmap gives the pages' budget back, and another thread may map at once:
+    // `mapped` (and so the peak) must not still count them then, or a pool at its limit
+    // reads a peak past it.
+    let m = PageMap::new(0, 4 * P, P).unwrap();
+    m.acquire(0, 2 * P, true, &mut |_, _| Ok(Backing::Fresh)).unwrap();
+    m.release(0, 2 * P);
+    let mut seen_during = vec![];
+    m.unmap_free(0, &mut |_, _, _| {
+        seen_during.push(m.mapped_bytes());
+        Ok(())
+    });
+    assert_eq!(seen_during, vec![0], "the run of two pages left `mapped` before its unmap call");
+    // A failed unmap counts them again.
+    m.acquire(0, P, true, &mut |_, _| Ok(Backing::Fresh)).unwrap();
+    m.release(0, P);
+    assert_eq!(m.unmap_free(0, &mut |_, _, _| Err(Error::NotPermitted("test"))), 0);
+    assert_eq!(m.mapped_bytes(), P);
+}
+
+#[test]
+fn metadata_grows_with_use() {
+    let m = PageMap::new(0, 1 << 40, P).unwrap();
+    m.acquire((1 << 40) - P, P, true, &mut |_, _| Ok(Backing::Fresh)).unwrap();
+    let made = m.words.chunks_made();
+    assert_eq!(made, 1);
+}
+
+/// Threads acquire and release single pages of a small map, mapping fresh memory under
+/// half of the budget and lending free pages past it, and taking lent pages back where
+/// their memory is free: once quiet, each memory shows at one mapped page at most, and the
+/// counters agree with a walk.
+#[test]
+fn loans_and_their_returns_racing_keep_each_memory_at_one_mapped_page() {
+    use std::sync::atomic::AtomicU64 as A;
+    const PAGES: u64 = 16;
+    let m = PageMap::new(0, PAGES * P, P).unwrap();
+    let fresh = A::new(0);
+    struct Lender<'a> {
+        m: &'a PageMap,
+        fresh: &'a A,
+    }
+    impl Mapper for Lender<'_> {
+        fn map(&mut self, addr: u64, len: usize) -> Result<Backing, Error> {
+            if self.m.mapped_bytes() >= 6 * P && self.m.lend(addr, len, &mut |_, _| true, &mut |_, _, _| Ok(())) {
+                return Ok(Backing::Lent);
+            }
+            self.fresh.fetch_add(1, Ordering::AcqRel);
+            Ok(Backing::Fresh)
+        }
+        fn switch(&mut self, _from: u64, _to: u64) -> bool {
+            true
+        }
+    }
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let (m, fresh) = (&m, &fresh);
+            s.spawn(move || {
+                let mut held: Vec<u64> = Vec::new();
+                for r in 0..200_000u64 {
+                    let p = (r * 7 + t * 5) % PAGES;
+                    if r % 3 != 0 {
+                        if m.acquire(p * P, P, true, &mut Lender { m, fresh }).is_ok() {
+                            held.push(p);
+                        }
+                    } else if let Some(q) = held.pop() {
+                        assert!(m.release(q * P, P));
+                    }
+                    if r % 500 == 0 {
+                        let fail = r % 1000 == 0;
+                        m.unmap_free(4 * P, &mut |_, _, _| {
+                            if fail {
+                                Err(Error::NotPermitted("test"))
+                            } else {
+                                Ok(())
+                            }
+                        });
+                    }
+                    if r % 700 == 0 {
+                        m.unmap_lent(&mut |_, _| r % 1400 != 0, &mut |_, _, _| Ok(()));
+                    }
+                }
+                for q in held {
+                    assert!(m.release(q * P, P));
+                }
+            });
+        }
+    });
+    assert_eq!(m.walk_doubly_mapped(), vec![], "no memory serves two mapped pages, refs agree");
+    assert_eq!(m.walk_physical(), m.mapped_bytes(), "each memory counted once");
+    let mut mapped = 0;
+    m.for_each_mapped(|_, _| mapped += P);
+    assert_eq!(mapped + m.walk_lent_only(), m.mapped_bytes(), "each memory shows at one mapped page at most");
+}
