@@ -3,7 +3,9 @@
 //!
 //! - `bestfit`: a `Mutex<BTreeMap>` best-fit coalescing pool, the classic design of PyTorch's
 //!   and RMM's pool allocators (`benches/support/bestfit.rs`);
-//! - `arena`: vrampool's lock-free buddy arena alone, with no caches and no retire.
+//! - `arena`: vrampool's tier T3 alone (`__bench::Alone`): one stream's buddy over 2 MiB
+//!   chunks for small blocks, the lock-free first-fit extents for large ones, no caches, no
+//!   device, no page map.
 //!
 //! Groups:
 //! - `hot_pair`: one alloc + free of 1 MiB, same class, same stream.
@@ -18,7 +20,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use vrampool::__bench::Arena;
+use vrampool::__bench::Alone;
 use vrampool::{Pool, PoolConfig, SimDevice, Stream};
 
 #[path = "support/bestfit.rs"]
@@ -46,11 +48,13 @@ fn hot_pair(c: &mut Criterion) {
     let cache = pool.stream_cache(s).unwrap();
     g.bench_function("stream_cache", |b| b.iter(|| drop(black_box(cache.alloc(HOT).unwrap()))));
     g.bench_function("pool_alloc", |b| b.iter(|| drop(black_box(pool.alloc(HOT, s).unwrap()))));
-    let arena = Arena::new(0, 1 << 40).unwrap();
+    let space = Alone::new(1 << 40, 1 << 40, 512 << 10).unwrap();
+    let arena = space.stream().unwrap();
+    let hot = space.size_for(HOT as u64).unwrap();
     g.bench_function("arena", |b| {
         b.iter(|| {
-            let a = arena.alloc(HOT as u64).unwrap();
-            arena.free(black_box(a), HOT as u64);
+            let a = arena.alloc(hot).unwrap();
+            arena.free(black_box(a), hot);
         })
     });
     let bf = BestFit::new(0, 1 << 40);
@@ -144,14 +148,25 @@ fn random_window(c: &mut Criterion) {
                 w[i] = cache.alloc(rng.size()).expect("the window fits");
             }
         });
-        let arena = Arena::new(0, 1 << 40).expect("an arena");
-        let (alloc, free) = (
-            |s| arena.alloc(s),
-            |a, s| {
-                arena.free(a, s);
-            },
-        );
-        window_crew(&mut g, "arena", threads, |_, rng| baseline_step(rng, &alloc, &free));
+        // Each thread its own stream (its own arena of chunks), the space shared.
+        let space = Alone::new(1 << 40, 1 << 40, 512 << 10).expect("a space");
+        window_crew(&mut g, "arena", threads, |_, rng| {
+            let arena = space.stream().expect("a stream's arena");
+            let round = |s: u64| space.size_for(s).expect("a size");
+            let mut w: Vec<(u64, u64)> = (0..WINDOW)
+                .map(|_| {
+                    let s = round(rng.size() as u64);
+                    (arena.alloc(s).expect("the window fits"), s)
+                })
+                .collect();
+            move |rng: &mut Rng| {
+                let i = (rng.next() % WINDOW as u64) as usize;
+                let s = round(rng.size() as u64);
+                let a = arena.alloc(s).expect("the window fits");
+                let (old, old_s) = std::mem::replace(&mut w[i], (a, s));
+                arena.free(old, old_s);
+            }
+        });
         let bf = BestFit::new(0, 1 << 40);
         let (alloc, free) = (|s| bf.alloc(s), |a, s| bf.free(a, s));
         window_crew(&mut g, "bestfit", threads, |_, rng| baseline_step(rng, &alloc, &free));

@@ -75,5 +75,6 @@ pub use stats::Stats;
 /// Internals exposed for the benches' baselines only; not part of the API.
 #[doc(hidden)]
 pub mod __bench {
+    pub use crate::arena::alone::{Alone, AloneStream};
     pub use crate::arena::Arena;
 }

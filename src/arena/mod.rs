@@ -9,6 +9,7 @@
 //! * [`space`]: [`Space`]: extents over the whole range for large blocks and chunks, with
 //!   the fence of every free granule and the owner of every chunk.
 //! * [`pages`]: the [`PageMap`]: per-page state and block counts, mapping on demand.
+//! * [`alone`]: T3 on its own, for the benches.
 //! * [`words`]: the lazily made array of atomic words the page map, the extents and the
 //!   space share.
 //!
@@ -17,6 +18,7 @@
 //! does the reverse on free. Keeping them apart keeps each protocol small enough to
 //! model-check with loom.
 
+pub mod alone;
 pub mod buddy;
 pub mod extent;
 pub mod hbitmap;

@@ -40,6 +40,7 @@ mod streams;
 
 pub use block::Block;
 pub use local::StreamCache;
+pub(crate) use place::KEEP_FREE_CHUNKS;
 
 use std::fmt;
 use std::sync::Arc;

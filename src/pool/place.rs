@@ -33,7 +33,7 @@ use crate::sync::epoch;
 /// Wholly free chunks a stream's arena keeps; more go back to the space as they fall free.
 /// Two keep a stream that allocates and frees small blocks from taking and giving back a
 /// chunk at every turn; the ladder takes kept chunks back when another stream needs them.
-pub(crate) const KEEP_FREE_CHUNKS: usize = 2;
+pub const KEEP_FREE_CHUNKS: usize = 2;
 
 /// Whose freed memory a placement may take (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
