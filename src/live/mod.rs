@@ -253,7 +253,7 @@ impl Table {
         let hit = tag & !GEN_MASK == live_tag(me_id, false) && slot.info.load(Ordering::Relaxed) == info;
         let size = if hit {
             let size = slot.size.load(Ordering::Relaxed);
-            slot.tag.store(tag & GEN_MASK | FREE, Ordering::Relaxed);
+            owner_store(&slot.tag, tag & GEN_MASK | FREE);
             Some(size)
         } else {
             None
@@ -283,17 +283,20 @@ impl Table {
             if tag & STATE != BUSY {
                 break tag;
             }
-            // A `record_stream` on another thread holds the slot for a moment (and may be
-            // waiting for this window to close).
+            // A `record_stream` on another thread holds the slot for a moment, and may be
+            // waiting for this window to close: close it, and open it again only once the
+            // slot is no longer busy (re-announcing at once could starve the other thread).
             me.clear();
-            backoff(&mut spins);
+            while slot.tag.load(Ordering::Acquire) & STATE == BUSY {
+                backoff(&mut spins);
+            }
         };
         let out = match tag & STATE {
             LIVE if owner_of(tag) != me_id || me_id == 0 => Err(Refusal::Foreign),
             LIVE => {
                 let words = read_words(slot, tag);
                 if check(words) {
-                    slot.tag.store(tag & GEN_MASK | FREE, Ordering::Relaxed);
+                    owner_store(&slot.tag, tag & GEN_MASK | FREE);
                     Ok(words)
                 } else {
                     Err(Refusal::Mismatch)
@@ -436,6 +439,21 @@ impl Table {
             (tag & STATE != FREE).then(|| (idx, read_words(slot, tag)))
         })
     }
+}
+
+/// The owner's store to a tag it loaded `live` inside its window. A plain store: in C11 it
+/// is ordered after any claim that succeeded on the value the owner loaded (the claim's
+/// compare-and-swap read that value as its immediate predecessor, and the store comes after
+/// the value the owner read), so a claimer that later synchronizes with the owner sees it.
+/// loom keeps modification orders partial and does not derive that order for a plain store
+/// after a concurrent read-modify-write, so under loom the store is a swap, whose place in
+/// the order loom does track: the same order C11 gives the plain store.
+#[inline(always)]
+fn owner_store(tag: &AtomicU64, value: u64) {
+    #[cfg(not(loom))]
+    tag.store(value, Ordering::Relaxed);
+    #[cfg(loom)]
+    tag.swap(value, Ordering::Relaxed);
 }
 
 #[inline(always)]
