@@ -15,7 +15,8 @@ use std::ptr;
 
 use super::device::{self, AbiDevice};
 use crate::device::StreamId;
-use crate::live::Owner;
+use crate::live::{Owner, TableView};
+use crate::pool::PoolInner;
 use crate::registry::StreamRec;
 use crate::{DeviceKind, StreamCache};
 
@@ -34,6 +35,10 @@ pub(crate) struct Memo {
     /// The registry's key for `raw` (checked again on CUDA, where handles are reused).
     pub(crate) key: Cell<u64>,
     pub(crate) dev: Cell<*const AbiDevice>,
+    /// `dev`'s table and pool, copied here so the hot paths reach a slot and rebuild a
+    /// block without loading the device first.
+    pub(crate) table: Cell<TableView<'static>>,
+    pub(crate) pool: Cell<*const PoolInner>,
     pub(crate) rec: Cell<*const StreamRec>,
     /// `rec`'s stream id.
     pub(crate) stream_id: Cell<StreamId>,
@@ -60,6 +65,8 @@ impl Memo {
             raw: Cell::new(0),
             key: Cell::new(0),
             dev: Cell::new(ptr::null()),
+            table: Cell::new(TableView::EMPTY),
+            pool: Cell::new(ptr::null()),
             rec: Cell::new(ptr::null()),
             stream_id: Cell::new(0),
             token: Cell::new(0),
@@ -85,6 +92,8 @@ impl Memo {
         self.raw.set(raw);
         self.key.set(key);
         self.dev.set(dev);
+        self.table.set(dev.table.view());
+        self.pool.set(dev.pool.as_ptr());
         // The record lives for ever (the registry never forgets a stream).
         self.rec.set(rec);
         self.stream_id.set(rec.id);

@@ -57,6 +57,7 @@ pub use status::{vrampool_status, AbiCounters};
 use std::any::Any;
 use std::ffi::{c_char, c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr::NonNull;
 
 use libc::{size_t, ssize_t};
 
@@ -231,18 +232,19 @@ fn malloc_hit(m: &memo::Memo, size: usize, device: c_int, raw: u64) -> Option<*m
         return None;
     }
     // SAFETY: `alloc_device` names the device only with a cache, which the thread's
-    // `CACHES` holds until it clears the memo; the device lives for ever.
-    let (dev, cache) = unsafe { (&*m.dev.get(), &*m.cache.get()) };
+    // `CACHES` holds until it clears the memo.
+    let cache = unsafe { &*m.cache.get() };
     Some(match cache.alloc(size) {
         Ok(block) => {
             // `size` packs (checked by the caller): the block goes to its slot as it is.
             let (addr, len, size_class) = words::view(&block);
             std::mem::forget(block);
             let info = len | m.token_bits.get();
-            dev.table.publish_at(addr, m.owner.get(), Words { info, size: size_class, ext: false });
+            m.table.get().publish_at(addr, m.owner.get(), Words { info, size: size_class, ext: false });
             addr as *mut c_void
         }
-        Err(e) => malloc_failed(dev, m, size, e),
+        // SAFETY: the memo names a device, which lives for ever.
+        Err(e) => malloc_failed(unsafe { &*m.dev.get() }, m, size, e),
     })
 }
 
@@ -381,13 +383,16 @@ fn free(addr: u64, size: ssize_t, device: c_int, raw: u64) {
             return false;
         }
         // SAFETY: `free_device` names the device only while the thread holds its owner
-        // record; the device lives for ever.
-        let (dev, mine) = unsafe { (&*m.dev.get(), &*m.owner_rec.get()) };
-        let Some(idx) = dev.table.index(addr) else { return false };
+        // record.
+        let mine = unsafe { &*m.owner_rec.get() };
+        let table = m.table.get();
+        let Some(idx) = table.index(addr) else { return false };
         let info = len | m.token_bits.get();
-        match dev.table.free_owned(idx, mine, m.owner.get(), info) {
+        match table.free_owned(idx, mine, m.owner.get(), info) {
             Some(size_class) => {
-                let parts = Parts { addr, len, size_class, stream: m.stream_id.get(), pool: dev.pool };
+                // SAFETY: the memo names a device, whose pool pointer is never null.
+                let pool = unsafe { NonNull::new_unchecked(m.pool.get().cast_mut()) };
+                let parts = Parts { addr, len, size_class, stream: m.stream_id.get(), pool };
                 // SAFETY: the slot held these parts (its info word matched the memo's
                 // stream, whose id this is), and the owner's free took it from live to free.
                 drop(unsafe { words::rebuild(parts) });

@@ -190,6 +190,87 @@ pub struct Table {
     slots: Storage,
 }
 
+/// A table's hot-path handle: its base, slots and length by value, so that a caller who
+/// keeps one (the C ABI's thread memo) reaches a slot without first loading the table.
+#[derive(Clone, Copy)]
+pub struct TableView<'a> {
+    base: u64,
+    slots: *const Slot,
+    len: usize,
+    _table: std::marker::PhantomData<&'a Table>,
+}
+
+impl<'a> TableView<'a> {
+    /// A view of no table: no address has a slot in it.
+    pub const EMPTY: TableView<'static> =
+        TableView { base: 0, slots: std::ptr::null(), len: 0, _table: std::marker::PhantomData };
+
+    /// The slot index of a block starting at `addr` (as [`Table::index`]).
+    #[inline(always)]
+    pub fn index(&self, addr: u64) -> Option<usize> {
+        let off = addr.wrapping_sub(self.base);
+        let idx = (off / GRAIN) as usize;
+        (off % GRAIN == 0 && idx < self.len).then_some(idx)
+    }
+
+    #[inline(always)]
+    fn slot(&self, idx: usize) -> &'a Slot {
+        assert!(idx < self.len, "slot {idx} outside a table of {}", self.len);
+        // SAFETY: in bounds of the table's slots, which outlive `'a`.
+        unsafe { &*self.slots.add(idx) }
+    }
+
+    /// [`Table::publish`] at the slot of `addr`, a block the pool just handed out (so inside
+    /// the range and 256-aligned, as the pool promises; only the range is checked here).
+    #[inline(always)]
+    pub fn publish_at(&self, addr: u64, owner: usize, words: Words) {
+        debug_assert_eq!(addr.wrapping_sub(self.base) % GRAIN, 0);
+        publish(self.slot((addr.wrapping_sub(self.base) / GRAIN) as usize), owner, words);
+    }
+
+    /// The owner's free of the block at `idx`, on the hot path: if the slot is live, owned
+    /// by `me` (index `me_id`), not boxed, and its info word is `info`, mark it free and
+    /// return its size word. `None` changes nothing: take [`Table::free_owned_with`].
+    #[inline(always)]
+    pub fn free_owned(&self, idx: usize, me: &Owner, me_id: usize, info: u64) -> Option<u64> {
+        let slot = self.slot(idx);
+        me.announce(idx);
+        light_fence();
+        let tag = slot.tag.load(Ordering::Acquire);
+        let hit = tag & !GEN_MASK == live_tag(me_id, false) && slot.info.load(Ordering::Relaxed) == info;
+        let size = if hit {
+            let size = slot.size.load(Ordering::Relaxed);
+            owner_store(&slot.tag, tag & GEN_MASK | FREE);
+            Some(size)
+        } else {
+            None
+        };
+        me.clear();
+        size
+    }
+}
+
+// SAFETY: a view only reaches slots through `&Slot`, whose fields are atomics, for as long
+// as the table lives (`'a`).
+unsafe impl Send for TableView<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for TableView<'_> {}
+
+/// Publish into a free slot (see [`Table::publish`]).
+#[inline(always)]
+fn publish(slot: &Slot, owner: usize, words: Words) {
+    debug_assert!(owner < MAX_OWNERS);
+    // Relaxed: the free slot was last written by whoever freed it, before the block went
+    // back to the pool, and the pool's hand-off orders that before this allocation.
+    let old = slot.tag.load(Ordering::Relaxed);
+    debug_assert_eq!(old & STATE, FREE, "publishing over a slot in use");
+    slot.info.store(words.info, Ordering::Relaxed);
+    slot.size.store(words.size, Ordering::Relaxed);
+    let gen = (old & GEN_MASK).wrapping_add(GEN_ONE);
+    // Release: whoever loads this tag (acquire) sees the words.
+    slot.tag.store(gen | live_tag(owner, words.ext), Ordering::Release);
+}
+
 impl Table {
     /// A table over `[base, base + bytes)`, `bytes` a multiple of [`GRAIN`].
     pub fn new(base: u64, bytes: u64) -> Result<Table> {
@@ -220,46 +301,29 @@ impl Table {
     /// so plain stores do.
     #[inline(always)]
     pub fn publish(&self, idx: usize, owner: usize, words: Words) {
-        debug_assert!(owner < MAX_OWNERS);
-        let slot = self.slot(idx);
-        // Relaxed: the free slot was last written by whoever freed it, before the block went
-        // back to the pool, and the pool's hand-off orders that before this allocation.
-        let old = slot.tag.load(Ordering::Relaxed);
-        debug_assert_eq!(old & STATE, FREE, "publishing over a slot in use");
-        slot.info.store(words.info, Ordering::Relaxed);
-        slot.size.store(words.size, Ordering::Relaxed);
-        let gen = (old & GEN_MASK).wrapping_add(GEN_ONE);
-        // Release: whoever loads this tag (acquire) sees the words.
-        slot.tag.store(gen | live_tag(owner, words.ext), Ordering::Release);
+        publish(self.slot(idx), owner, words);
     }
 
-    /// [`Table::publish`] at the slot of `addr`, a block the pool just handed out (so inside
-    /// the range and 256-aligned, as the pool promises; only the range is checked here).
+    /// The table's hot-path handle.
+    pub fn view(&self) -> TableView<'_> {
+        TableView {
+            base: self.base,
+            slots: self.slots.as_ptr(),
+            len: self.slots.len(),
+            _table: std::marker::PhantomData,
+        }
+    }
+
+    /// As [`TableView::publish_at`].
     #[inline(always)]
     pub fn publish_at(&self, addr: u64, owner: usize, words: Words) {
-        debug_assert_eq!(addr.wrapping_sub(self.base) % GRAIN, 0);
-        self.publish((addr.wrapping_sub(self.base) / GRAIN) as usize, owner, words);
+        self.view().publish_at(addr, owner, words)
     }
 
-    /// The owner's free of the block at `idx`, on the hot path: if the slot is live, owned
-    /// by `me` (index `me_id`), not boxed, and its info word is `info`, mark it free and
-    /// return its size word. `None` changes nothing: take [`Table::free_owned_with`].
+    /// As [`TableView::free_owned`].
     #[inline(always)]
     pub fn free_owned(&self, idx: usize, me: &Owner, me_id: usize, info: u64) -> Option<u64> {
-        let slot = self.slot(idx);
-        me.announce(idx);
-        light_fence();
-        let tag = slot.tag.load(Ordering::Acquire);
-        let hit = tag & !GEN_MASK == live_tag(me_id, false) && slot.info.load(Ordering::Relaxed) == info;
-        let size = if hit {
-            let size = slot.size.load(Ordering::Relaxed);
-            owner_store(&slot.tag, tag & GEN_MASK | FREE);
-            Some(size)
-        } else {
-            None
-        };
-        me.clear();
-        size
+        self.view().free_owned(idx, me, me_id, info)
     }
 
     /// The owner's free of the block at `idx` by the whole path: inside the owner's window,

@@ -62,6 +62,10 @@ impl Storage {
         self.len
     }
 
+    pub(super) fn as_ptr(&self) -> *const Slot {
+        self.ptr.as_ptr()
+    }
+
     #[inline(always)]
     pub(super) fn get(&self, idx: usize) -> &Slot {
         assert!(idx < self.len, "slot {idx} outside a table of {}", self.len);
@@ -127,6 +131,10 @@ impl Storage {
 
     pub(super) fn get(&self, idx: usize) -> &Slot {
         &self.0[idx]
+    }
+
+    pub(super) fn as_ptr(&self) -> *const Slot {
+        self.0.as_ptr()
     }
 
     pub(super) fn touched<T>(&self, f: impl FnMut(usize, &Slot) -> Option<T>) -> Vec<T> {
