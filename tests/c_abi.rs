@@ -59,6 +59,7 @@ fn a_c_program_uses_every_entry_point_and_every_bad_input_is_refused() {
         &format!("{cc} (compiling tests/c/abi_test.c)"),
     );
     run(sim_env(&mut Command::new(&exe)), "tests/c/abi_test.c");
+    run(Command::new(&exe).arg("bad-config").env("VRAMPOOL_DEVICE", "gpu"), "tests/c/abi_test.c bad-config");
     let _ = std::fs::remove_dir_all(&out_dir);
 }
 

@@ -302,7 +302,29 @@ static void threads(void) {
     CHECK(stat(0, "abi_late_double_frees") == 0);
 }
 
-int main(void) {
+/* Run with a bad VRAMPOOL_DEVICE: every call that needs a pool fails with a clear error. */
+static int bad_config(void) {
+    CHECK(vrampool_malloc(4096, 0, NULL) == NULL);
+    CHECK(vrampool_last_error_code() == VRAMPOOL_ERROR_CONFIG);
+    const char *msg = vrampool_last_error();
+    CHECK(msg != NULL && strstr(msg, "VRAMPOOL_DEVICE") != NULL);
+    CHECK(vrampool_stats_json(0, NULL, 0) == 0);
+    CHECK(vrampool_last_error_code() == VRAMPOOL_ERROR_CONFIG);
+    CHECK(vrampool_last_error() != NULL);
+    /* Nothing to trim: succeeds. */
+    CHECK(vrampool_empty_cache() == 0);
+    if (failures != 0) {
+        fprintf(stderr, "%d checks failed\n", failures);
+        return 1;
+    }
+    printf("C ABI test (bad configuration): every check passed\n");
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1 && strcmp(argv[1], "bad-config") == 0) {
+        return bad_config();
+    }
     versions();
     malloc_inputs();
     last_error_is_dlerror();
