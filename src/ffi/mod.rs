@@ -10,10 +10,10 @@
 //! const char* vrampool_last_error(void);   /* this thread's last error, then cleared */
 //! ```
 //!
-//! **What it owns.** The C side of the [`registry`](crate::registry)'s pools: per device a
-//! live-block table ([`crate::live`]: from a block's address to what its free needs, in
+//! **What it owns.** The C side of the [`crate::registry`]'s pools: per device a
+//! live-block table (the `live` module: from a block's address to what its free needs, in
 //! O(1), without a lock), the calling thread's memo of its last device and stream, and the
-//! queue of frees made on other threads than the allocating one ([`foreign`]). Pools, their
+//! queue of frees made on other threads than the allocating one (`ffi::foreign`). Pools, their
 //! configuration (environment variables, see [`crate::registry::VARIABLES`]) and streams are
 //! the registry's.
 //!
@@ -45,7 +45,7 @@
 //! values that name no stream are refused, never followed.
 
 mod device;
-pub mod foreign;
+mod foreign;
 mod memo;
 mod stats;
 mod status;
