@@ -3,6 +3,7 @@
 //! other threads, `record_stream`, the legacy and per-thread default streams, and the
 //! statistics back at zero. Ignored without a GPU (and skipped if none is found):
 //! `cargo test --release --test ffi_cuda -- --ignored`.
+#![cfg(feature = "cuda")]
 
 use std::ffi::{c_void, CStr};
 use std::sync::Arc;
