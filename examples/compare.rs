@@ -8,6 +8,9 @@
 //!   memory pool with its release threshold set to `u64::MAX` (so it caches), warmed up.
 //! - **mutex best-fit**: `benches/support/bestfit.rs` over one big `cuMemAlloc` range: host
 //!   bookkeeping only, frees at once (no stream ordering), the classic design.
+//! - **vrampool C ABI**: `vrampool_malloc`/`vrampool_free` on the registry's pool of GPU 0
+//!   with the thread's `CUstream` handle, as a C or PyTorch caller sees vrampool (hot pair
+//!   and random window only).
 //!
 //! Workloads: the hot pair (1 MiB, one thread, best of 3), the random window (1, 4 and 16
 //! threads, each its own stream, 64 live blocks, sizes log-uniform 256 B – 4 MiB drawn before
@@ -35,6 +38,8 @@ use std::time::{Duration, Instant};
 
 use bestfit::BestFit;
 use cudarc::driver::sys;
+use vrampool::ffi::{vrampool_empty_cache, vrampool_free, vrampool_last_error, vrampool_malloc};
+use vrampool::registry::{self, Config, DeviceChoice};
 use vrampool::replay::{replay, Report, Trace};
 use vrampool::{Block, CudaDevice, Device, Pool, PoolConfig, Stats, Stream, StreamCache};
 
@@ -240,6 +245,43 @@ impl Worker for Bf<'_> {
     fn sync(&mut self) {}
 }
 
+/// vrampool through its C ABI: the registry's pool of GPU 0, this worker's `CUstream`.
+struct CAbi<'a> {
+    raw: u64,
+    dev: &'a CudaDevice,
+    stream: &'a Stream,
+}
+
+impl<'a> CAbi<'a> {
+    fn new(dev: &'a CudaDevice, stream: &'a Stream) -> Self {
+        CAbi { raw: stream.raw(), dev, stream }
+    }
+}
+
+impl Worker for CAbi<'_> {
+    type H = (u64, usize);
+    const CHUNK: u64 = 64;
+    #[inline(always)]
+    fn alloc(&mut self, bytes: usize) -> (u64, usize) {
+        // SAFETY: a live stream of GPU 0's primary context, which the registry's pool uses.
+        let p = unsafe { vrampool_malloc(bytes as isize, 0, self.raw as *mut c_void) };
+        if p.is_null() {
+            // SAFETY: a NUL-terminated string, valid until this thread's next call.
+            let why = unsafe { CStr::from_ptr(vrampool_last_error()) };
+            die(&format!("vrampool_malloc({bytes}): {}", why.to_string_lossy()));
+        }
+        (p as u64, bytes)
+    }
+    #[inline(always)]
+    fn free(&mut self, (p, bytes): (u64, usize)) {
+        // SAFETY: allocated by `alloc` with this size, device and stream; freed once.
+        unsafe { vrampool_free(p as *mut c_void, bytes as isize, 0, self.raw as *mut c_void) };
+    }
+    fn sync(&mut self) {
+        or_die("synchronize", self.dev.synchronize(self.stream));
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Workloads.
 
@@ -432,7 +474,17 @@ impl MemPool {
 // ---------------------------------------------------------------------------------------
 // Output.
 
-const NAMES: [&str; 4] = ["vrampool", "cuMemAlloc/cuMemFree", "cuMemAllocAsync (pool)", "mutex best-fit"];
+const NAMES: [&str; 5] =
+    ["vrampool", "cuMemAlloc/cuMemFree", "cuMemAllocAsync (pool)", "mutex best-fit", "vrampool C ABI"];
+
+/// The C ABI's pool gives back what it holds, before the streams its blocks were cached
+/// against are destroyed.
+fn empty_c_abi() {
+    if vrampool_empty_cache() != 0 {
+        // SAFETY: a NUL-terminated string, valid until this thread's next call.
+        die(&format!("vrampool_empty_cache: {}", unsafe { CStr::from_ptr(vrampool_last_error()) }.to_string_lossy()));
+    }
+}
 
 fn versus(ns: f64, vram_ns: f64) -> String {
     if !(ns.is_finite() && vram_ns.is_finite() && ns > 0.0 && vram_ns > 0.0) {
@@ -551,6 +603,8 @@ fn main() {
     let bf = BestFit::new(bf_base, BESTFIT_RANGE);
 
     let pool = or_die("Pool::new", Pool::new(dev.clone(), PoolConfig::default()));
+    // The C ABI's pools: the registry's, on the GPU (its own pool of the same device).
+    or_die("registry::configure", registry::configure(Config { device: DeviceChoice::Cuda, ..Config::default() }));
 
     // ---- hot pair
     println!();
@@ -560,15 +614,17 @@ fn main() {
     );
     println!("{:<24} {:>7} {:>12} {:>11} {:>10}  vs vrampool", "allocator", "threads", "ns/pair", "M pairs/s", "pairs");
     let hot_stream = or_die("create a stream", dev.create_stream());
-    let hot_results: [(f64, u64); 4] = {
+    let hot_results: [(f64, u64); 5] = {
         let cache = or_die("stream_cache", pool.stream_cache(&hot_stream));
         let v = hot(&mut Vram { cache, dev: &dev, stream: &hot_stream }, hot_dur);
         let c = hot(&mut CuMem, hot_dur);
         let a = hot(&mut CuAsync::new(&dev, &hot_stream), hot_dur);
         let b = hot(&mut Bf { bf: &bf, high: 0 }, hot_dur);
-        [v, c, a, b]
+        let f = hot(&mut CAbi::new(&dev, &hot_stream), hot_dur);
+        [v, c, a, b, f]
     };
     pool.flush_thread_cache();
+    empty_c_abi();
     or_die("synchronize", dev.synchronize(&hot_stream));
     or_die("destroy a stream", dev.destroy_stream(&hot_stream));
     for (i, &(ns, pairs)) in hot_results.iter().enumerate() {
@@ -602,6 +658,7 @@ fn main() {
             window(&dev, &streams, t, win_dur, |_| CuMem),
             window(&dev, &streams, t, win_dur, |s| CuAsync::new(&dev, s)),
             window(&dev, &streams, t, win_dur, |_| Bf { bf: &bf, high: 0 }),
+            window(&dev, &streams, t, win_dur, |s| CAbi::new(&dev, s)),
         ];
         for (i, r) in runs.iter().enumerate() {
             let vs = if i == 0 { "—".to_string() } else { versus(r.ns(), runs[0].ns()) };
@@ -640,6 +697,7 @@ fn main() {
             one.mps()
         );
     }
+    empty_c_abi();
     for s in &streams {
         or_die("synchronize", dev.synchronize(s));
         or_die("destroy a stream", dev.destroy_stream(s));

@@ -49,7 +49,16 @@ mod buffer;
 pub(crate) mod class;
 pub mod device;
 pub mod error;
+#[cfg(not(loom))]
+pub mod ffi;
+#[cfg(loom)]
+pub mod live;
+#[cfg(not(loom))]
+#[allow(dead_code)]
+pub(crate) mod live;
 mod pool;
+#[cfg(not(loom))]
+pub mod registry;
 pub mod replay;
 mod stats;
 

@@ -6,7 +6,7 @@
 use crate::sync::atomic::{AtomicU64, Ordering};
 
 /// A snapshot of the pool's figures, in bytes unless named otherwise.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[allow(deprecated)]
 pub struct Stats {
     /// Bytes in live blocks (sizes rounded up to 256).

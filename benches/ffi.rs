@@ -1,0 +1,137 @@
+//! The cost of the C ABI, on the simulated device, in one run beside what it wraps and the
+//! classic baseline:
+//!
+//! - `rust_api`: `pool.alloc` + drop (the registry's pool, its default stream);
+//! - `c_abi`: `vrampool_malloc` + `vrampool_free` on the same pool and stream (NULL), called
+//!   as the C functions they are (the `.so` exports the same code; a C caller adds the
+//!   call through the PLT and its thread-locals' general-dynamic lookups);
+//! - `bestfit`: the `Mutex<BTreeMap>` best-fit baseline (`benches/support/bestfit.rs`).
+//!
+//! Groups: `ffi_hot_pair` (one alloc + free of 1 MiB, one thread, one stream) and
+//! `ffi_random_window` (64 live blocks, sizes log-uniform 256 B – 4 MiB, one replaced per
+//! iteration, as in `benches/pool.rs`).
+//!
+//! ```text
+//! cargo bench --bench ffi
+//! ```
+
+use std::ffi::c_void;
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use vrampool::ffi::{vrampool_free, vrampool_last_error, vrampool_malloc};
+use vrampool::registry::{self, Config, DeviceChoice};
+
+#[path = "support/bestfit.rs"]
+mod bestfit;
+use bestfit::BestFit;
+
+#[path = "support/sizes.rs"]
+mod sizes;
+use sizes::Rng;
+
+const HOT: usize = 1 << 20;
+const WINDOW: usize = 64;
+const NULL: *mut c_void = std::ptr::null_mut();
+
+fn setup() {
+    // The simulator, as large as benches/pool.rs's (the window's peak fits many times).
+    let config = Config { device: DeviceChoice::Sim, sim_bytes: 64 << 30, ..Config::default() };
+    registry::configure(config).expect("the bench configures the registry before its first use");
+}
+
+fn malloc(size: usize) -> *mut c_void {
+    // SAFETY: the simulator takes any stream value; NULL is its default stream.
+    let p = unsafe { vrampool_malloc(size as isize, 0, NULL) };
+    if p.is_null() {
+        // SAFETY: a NUL-terminated string the library keeps until this thread's next call.
+        let why = unsafe { std::ffi::CStr::from_ptr(vrampool_last_error()) };
+        panic!("vrampool_malloc({size}) failed: {}", why.to_string_lossy());
+    }
+    p
+}
+
+fn free(p: *mut c_void, size: usize) {
+    // SAFETY: a block of this size from `malloc` on the same device and stream.
+    unsafe { vrampool_free(p, size as isize, 0, NULL) }
+}
+
+fn hot_pair(c: &mut Criterion) {
+    let pool = registry::pool(0).unwrap();
+    let stream = registry::default_stream(0).unwrap();
+    let mut g = c.benchmark_group("ffi_hot_pair");
+    g.bench_function("rust_api", |b| b.iter(|| drop(black_box(pool.alloc(HOT, &stream).unwrap()))));
+    g.bench_function("c_abi", |b| b.iter(|| free(black_box(malloc(HOT)), HOT)));
+    let bf = BestFit::new(0, 1 << 40);
+    g.bench_function("bestfit", |b| {
+        b.iter(|| {
+            let a = bf.alloc(HOT as u64).unwrap();
+            bf.free(black_box(a), HOT as u64);
+        })
+    });
+    g.finish();
+}
+
+fn random_window(c: &mut Criterion) {
+    let pool = registry::pool(0).unwrap();
+    let stream = registry::default_stream(0).unwrap();
+    let mut g = c.benchmark_group("ffi_random_window");
+    let mut rng = Rng::new(0x9e37_79b9);
+    let mut w: Vec<_> = (0..WINDOW).map(|_| pool.alloc(rng.size(), &stream).unwrap()).collect();
+    g.bench_function("rust_api", |b| {
+        b.iter(|| {
+            let i = (rng.next() % WINDOW as u64) as usize;
+            w[i] = pool.alloc(rng.size(), &stream).unwrap();
+        })
+    });
+    drop(w);
+    let mut rng = Rng::new(0x9e37_79b9);
+    let mut w: Vec<(*mut c_void, usize)> = (0..WINDOW)
+        .map(|_| {
+            let s = rng.size();
+            (malloc(s), s)
+        })
+        .collect();
+    g.bench_function("c_abi", |b| {
+        b.iter(|| {
+            let i = (rng.next() % WINDOW as u64) as usize;
+            let s = rng.size();
+            let (old, old_s) = std::mem::replace(&mut w[i], (malloc(s), s));
+            free(old, old_s);
+        })
+    });
+    for (p, s) in w {
+        free(p, s);
+    }
+    let bf = BestFit::new(0, 1 << 40);
+    let mut rng = Rng::new(0x9e37_79b9);
+    let mut w: Vec<(u64, u64)> = (0..WINDOW)
+        .map(|_| {
+            let s = rng.size() as u64;
+            (bf.alloc(s).unwrap(), s)
+        })
+        .collect();
+    g.bench_function("bestfit", |b| {
+        b.iter(|| {
+            let i = (rng.next() % WINDOW as u64) as usize;
+            let s = rng.size() as u64;
+            let (old, old_s) = std::mem::replace(&mut w[i], (bf.alloc(s).unwrap(), s));
+            bf.free(old, old_s);
+        })
+    });
+    g.finish();
+}
+
+fn benches(c: &mut Criterion) {
+    setup();
+    hot_pair(c);
+    random_window(c);
+}
+
+criterion_group! {
+    name = ffi;
+    config = Criterion::default().measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
+    targets = benches
+}
+criterion_main!(ffi);

@@ -1,0 +1,202 @@
+//! The calling thread's memo of its last (device, stream handle), its cache for them, and
+//! its owner record.
+//!
+//! The memo is plain cells in a thread-local without a destructor, so the hot paths find
+//! everything with a few loads and compares: each path has its own key (`alloc_device`,
+//! `free_device`) that equals the caller's device ordinal only where that path may be taken
+//! (a cache to allocate from on a simulated device; an owner record to free with), so one
+//! compare tests them all. The memo only ever names a device and a stream record, which
+//! live for ever, a cache held by [`CACHES`] (whose destructor clears the memo first), and
+//! the thread's own owner record, given back only by [`OwnerGuard`]'s destructor (thread
+//! exit), which clears the memo's owner first.
+
+use std::cell::{Cell, RefCell};
+use std::ptr;
+
+use super::device::{self, AbiDevice};
+use crate::device::StreamId;
+use crate::live::{Owner, TableView};
+use crate::pool::PoolInner;
+use crate::registry::StreamRec;
+use crate::{DeviceKind, StreamCache};
+
+/// A device key no caller's `int` device equals.
+const NOT_NAMED: i64 = i64::MIN;
+
+pub(crate) struct Memo {
+    /// The device ordinal the memo names ([`NOT_NAMED`] for none).
+    pub(crate) device: Cell<i64>,
+    /// `device` where the allocation hot path may be taken, else [`NOT_NAMED`].
+    pub(crate) alloc_device: Cell<i64>,
+    /// `device` where the free hot path may be taken (the thread has an owner record),
+    /// else [`NOT_NAMED`].
+    pub(crate) free_device: Cell<i64>,
+    pub(crate) raw: Cell<u64>,
+    /// The registry's key for `raw` (checked again on CUDA, where handles are reused).
+    pub(crate) key: Cell<u64>,
+    pub(crate) dev: Cell<*const AbiDevice>,
+    /// `dev`'s table and pool, copied here so the hot paths reach a slot and rebuild a
+    /// block without loading the device first.
+    pub(crate) table: Cell<TableView<'static>>,
+    pub(crate) pool: Cell<*const PoolInner>,
+    pub(crate) rec: Cell<*const StreamRec>,
+    /// `rec`'s stream id.
+    pub(crate) stream_id: Cell<StreamId>,
+    /// `rec`'s token.
+    pub(crate) token: Cell<u32>,
+    /// `rec`'s token, placed as in an info word.
+    pub(crate) token_bits: Cell<u64>,
+    /// This thread's cache for (`dev`'s pool, `rec`'s stream), held by [`CACHES`]; null
+    /// where the thread may have none (inside a host function, exiting).
+    pub(crate) cache: Cell<*const StreamCache>,
+    /// This thread's owner index (0: none).
+    pub(crate) owner: Cell<usize>,
+    pub(crate) owner_rec: Cell<*const Owner>,
+    /// Whether an owner record was tried for yet.
+    owner_tried: Cell<bool>,
+}
+
+impl Memo {
+    const fn new() -> Memo {
+        Memo {
+            device: Cell::new(NOT_NAMED),
+            alloc_device: Cell::new(NOT_NAMED),
+            free_device: Cell::new(NOT_NAMED),
+            raw: Cell::new(0),
+            key: Cell::new(0),
+            dev: Cell::new(ptr::null()),
+            table: Cell::new(TableView::EMPTY),
+            pool: Cell::new(ptr::null()),
+            rec: Cell::new(ptr::null()),
+            stream_id: Cell::new(0),
+            token: Cell::new(0),
+            token_bits: Cell::new(0),
+            cache: Cell::new(ptr::null()),
+            owner: Cell::new(0),
+            owner_rec: Cell::new(ptr::null()),
+            owner_tried: Cell::new(false),
+        }
+    }
+
+    /// Whether the memo names (`device`, `raw`).
+    #[inline(always)]
+    pub(crate) fn names(&self, device: i64, raw: u64) -> bool {
+        self.device.get() == device && self.raw.get() == raw
+    }
+
+    /// Remember (`device`, `raw`) → (`dev`, `rec`, `key`) and this thread's cache for them.
+    pub(crate) fn remember(&self, device: i64, raw: u64, key: u64, dev: &'static AbiDevice, rec: &StreamRec) {
+        let cache = cache_for(device, key, dev, rec);
+        self.cache.set(cache);
+        self.device.set(device);
+        self.raw.set(raw);
+        self.key.set(key);
+        self.dev.set(dev);
+        self.table.set(dev.table.view());
+        self.pool.set(dev.pool.as_ptr());
+        // The record lives for ever (the registry never forgets a stream).
+        self.rec.set(rec);
+        self.stream_id.set(rec.id);
+        self.token.set(rec.token);
+        self.token_bits.set(super::words::token_bits(rec.token));
+        // On CUDA every allocation checks the handle's key first (its value may name a new
+        // stream since), so only the simulator's allocations take the one-compare path.
+        let simulated = dev.entry.kind == DeviceKind::Simulated;
+        self.alloc_device.set(if simulated && !cache.is_null() { device } else { NOT_NAMED });
+        self.free_device.set(if self.owner.get() != 0 { device } else { NOT_NAMED });
+    }
+
+    /// Take an owner record for this thread, the first time (later calls do nothing). None
+    /// is taken where claimers cannot use `membarrier`: the owner's free would need a full
+    /// fence, as dear as the compare-and-swap of a claim, so every free claims instead.
+    pub(crate) fn ensure_owner(&self) {
+        if self.owner_tried.replace(true) {
+            return;
+        }
+        let owners = device::owners();
+        if !owners.asymmetric() {
+            return;
+        }
+        let Some(id) = owners.acquire() else { return };
+        // The guard gives the record back at thread exit; without one (the thread is
+        // already exiting) the record goes back at once.
+        if GUARD.try_with(|g| g.id.set(id)).is_err() {
+            owners.release(id);
+            return;
+        }
+        self.owner_rec.set(owners.get(id));
+        self.owner.set(id);
+    }
+
+    /// Forget the owner record: no owner window may open after this.
+    fn drop_owner(&self) {
+        self.owner.set(0);
+        self.owner_rec.set(ptr::null());
+        self.free_device.set(NOT_NAMED);
+    }
+}
+
+crate::sync::thread_local! {
+    pub(crate) static MEMO: Memo = const { Memo::new() };
+}
+
+/// Gives the thread's owner record back when the thread exits.
+struct OwnerGuard {
+    id: Cell<usize>,
+}
+
+impl Drop for OwnerGuard {
+    fn drop(&mut self) {
+        let id = self.id.get();
+        if id == 0 {
+            return;
+        }
+        // Frees from later thread-local destructors claim instead.
+        let _ = MEMO.try_with(Memo::drop_owner);
+        device::owners().release(id);
+    }
+}
+
+crate::sync::thread_local! {
+    static GUARD: OwnerGuard = const { OwnerGuard { id: Cell::new(0) } };
+}
+
+/// This thread's caches, by (device, stream key): boxed so the memo may point into them
+/// while the list grows, dropped (and the memo's pointer cleared first) at thread exit.
+struct Caches {
+    #[allow(clippy::vec_box)]
+    list: RefCell<Vec<Box<(i64, u64, StreamCache)>>>,
+}
+
+impl Drop for Caches {
+    fn drop(&mut self) {
+        let _ = MEMO.try_with(|m| {
+            m.cache.set(ptr::null());
+            m.alloc_device.set(NOT_NAMED);
+        });
+    }
+}
+
+crate::sync::thread_local! {
+    static CACHES: Caches = const { Caches { list: RefCell::new(Vec::new()) } };
+}
+
+/// The calling thread's cache for (`dev`'s pool, `rec`'s stream), made the first time; null
+/// if the thread may have none now.
+fn cache_for(device: i64, key: u64, dev: &AbiDevice, rec: &StreamRec) -> *const StreamCache {
+    CACHES
+        .try_with(|c| {
+            let mut list = c.list.borrow_mut();
+            if let Some(e) = list.iter().find(|e| e.0 == device && e.1 == key) {
+                return &e.2 as *const StreamCache;
+            }
+            match dev.entry.pool.stream_cache(&rec.stream) {
+                Ok(cache) => {
+                    list.push(Box::new((device, key, cache)));
+                    list.last().map_or(ptr::null(), |e| &e.2 as *const StreamCache)
+                }
+                Err(_) => ptr::null(),
+            }
+        })
+        .unwrap_or(ptr::null())
+}

@@ -1,0 +1,57 @@
+//! `vrampool_stats_json`: a device's [`Stats`] and the ABI's counters as one JSON object.
+
+use std::ffi::{c_char, c_int};
+
+use super::status::{vrampool_status, AbiCounters, AbiError, Counter};
+use crate::{registry, Stats};
+
+/// What the statistics JSON holds: every field of [`Stats`] and of [`AbiCounters`], by
+/// name, in one flat object.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Report {
+    /// The pool's figures.
+    #[serde(flatten)]
+    pub stats: Stats,
+    /// The ABI's counters (process-wide).
+    #[serde(flatten)]
+    pub abi: AbiCounters,
+}
+
+impl Report {
+    /// Device `device`'s report now (its pool made if it was not), after settling pending
+    /// frees.
+    pub fn now(device: usize) -> crate::Result<Report> {
+        let entry = registry::entry(device)?;
+        super::foreign::settle(true);
+        Ok(Report { stats: entry.pool.stats(), abi: AbiCounters::now() })
+    }
+
+    /// The report as the ABI writes it.
+    pub fn to_json(&self) -> String {
+        // Plain integers by field name: serialising cannot fail.
+        serde_json::to_string(self).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
+    }
+}
+
+/// `snprintf` into `buf` of `len` bytes; the JSON's whole length.
+pub(super) fn json(device: c_int, buf: *mut c_char, len: usize) -> Result<usize, AbiError> {
+    let call = "vrampool_stats_json";
+    let invalid =
+        |msg: String| AbiError::new(vrampool_status::VRAMPOOL_ERROR_INVALID_ARGUMENT, Counter::FailedCalls, msg);
+    if buf.is_null() && len != 0 {
+        return Err(invalid(format!("{call}: a null buffer of {len} bytes")));
+    }
+    let ordinal = usize::try_from(device).map_err(|_| invalid(format!("{call}: device {device}")))?;
+    let report = Report::now(ordinal).map_err(|e| AbiError::from_error(call, Counter::FailedCalls, &e))?;
+    let text = report.to_json();
+    if len > 0 {
+        let n = text.len().min(len - 1);
+        // SAFETY: the caller gave `len` writable bytes at `buf` (non-null as `len > 0`);
+        // `n + 1 <= len` bytes are written.
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr(), buf.cast::<u8>(), n);
+            *buf.add(n) = 0;
+        }
+    }
+    Ok(text.len())
+}

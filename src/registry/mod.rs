@@ -1,0 +1,228 @@
+//! One pool per device for the whole process: what the C ABI allocates from, and what a
+//! Rust server uses when it wants the same pools.
+//!
+//! **What it owns.** For each device ordinal that has been used, one [`Pool`] over the
+//! device (on CUDA the device's primary context: [`crate::CudaDevice::new`]), made on first
+//! use and kept for the life of the process, and the device's streams keyed by the
+//! registry's own identity (see [`streams`](self) below), so that the C ABI and Rust code
+//! that pass the same raw stream handle reach the same [`Stream`], and so the same caches.
+//! One [`Config`] serves every pool: read once from the environment
+//! ([`Config::from_env`], variables in [`VARIABLES`]), or set by the program with
+//! [`configure`] before the first use.
+//!
+//! ```
+//! use vrampool::registry::{self, Config, DeviceChoice};
+//! registry::configure(Config { device: DeviceChoice::Sim, sim_bytes: 1 << 30, ..Config::default() })?;
+//! let pool = registry::pool(0)?;
+//! let stream = registry::default_stream(0)?;
+//! let block = pool.alloc(4096, &stream)?;
+//! assert!(registry::pool(1).is_err()); // one simulated device unless VRAMPOOL_SIM_DEVICES says more
+//! # drop(block);
+//! # Ok::<(), vrampool::Error>(())
+//! ```
+//!
+//! **Invariants.** An entry, once published, is never replaced or dropped, so `&'static`
+//! references to it are handed out; streams are never forgotten (blocks may be cached
+//! against them). **Locks:** only for one-time set-up: making a device's entry, adding a
+//! stream seen for the first time. Finding an entry is one acquire load, a known stream one
+//! arc-swap load.
+
+mod config;
+mod streams;
+
+pub use config::{Config, DeviceChoice, MAX_DEVICES, MAX_STREAMS, VARIABLES};
+pub(crate) use streams::StreamRec;
+
+use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use crate::device::{Device, DeviceKind, Stream};
+use crate::error::{Error, Result};
+use crate::{Pool, SimDevice};
+use streams::Streams;
+
+static CONFIG: OnceLock<Result<Config>> = OnceLock::new();
+static KIND: OnceLock<Result<DeviceKind>> = OnceLock::new();
+static ENTRIES: [AtomicPtr<Entry>; MAX_DEVICES] = [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_DEVICES];
+static CREATE: Mutex<()> = Mutex::new(());
+
+/// One device's pool and streams.
+pub(crate) struct Entry {
+    pub(crate) ordinal: usize,
+    pub(crate) pool: Pool,
+    pub(crate) kind: DeviceKind,
+    pub(crate) streams: Streams,
+}
+
+/// Set the configuration before the registry's first use (the first call to anything else
+/// here or to the C ABI). Fails with [`Error::NotPermitted`] once the configuration is
+/// fixed, and with [`Error::InvalidArgument`] for a value out of range.
+pub fn configure(config: Config) -> Result<()> {
+    config.validate()?;
+    CONFIG.set(Ok(config)).map_err(|_| {
+        Error::NotPermitted("the registry's configuration is fixed at its first use: configure it before that")
+    })
+}
+
+/// The configuration in force: the one given to [`configure`], else the environment's
+/// (read on the first call). A bad environment variable is an error here and on every use.
+pub fn config() -> Result<&'static Config> {
+    CONFIG.get_or_init(Config::from_env).as_ref().map_err(Clone::clone)
+}
+
+/// Which kind of device the registry opens (with [`DeviceChoice::Auto`], decided on the
+/// first call: CUDA if GPU 0 can be opened, else the simulator).
+pub fn device_kind() -> Result<DeviceKind> {
+    let config = config()?;
+    KIND.get_or_init(|| match config.device {
+        DeviceChoice::Sim => Ok(DeviceKind::Simulated),
+        DeviceChoice::Cuda => cuda_available().map(|_| DeviceKind::Cuda),
+        DeviceChoice::Auto => Ok(if cuda_available().is_ok() { DeviceKind::Cuda } else { DeviceKind::Simulated }),
+    })
+    .clone()
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_available() -> Result<()> {
+    crate::CudaDevice::new(0).map(drop)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_available() -> Result<()> {
+    Err(Error::NoDevice("vrampool was built without the `cuda` feature".into()))
+}
+
+/// The pool of device `device`, made on first use.
+pub fn pool(device: usize) -> Result<Pool> {
+    Ok(entry(device)?.pool.clone())
+}
+
+/// The device under [`pool`]`(device)`.
+pub fn device(device: usize) -> Result<Arc<dyn Device>> {
+    Ok(Arc::clone(entry(device)?.pool.device()))
+}
+
+/// The stream a null handle names: the simulator's default stream, or CUDA's legacy
+/// default stream.
+pub fn default_stream(device: usize) -> Result<Stream> {
+    let e = entry(device)?;
+    Ok(stream_rec(e, 0)?.stream.clone())
+}
+
+/// The registry's stream for raw handle `raw` on `device`, as the C ABI keys it: on the
+/// simulator any value names a stream made the first time it is seen (0 the default
+/// stream); on CUDA `raw` is a `CUstream` (0 and `CU_STREAM_LEGACY` the legacy default
+/// stream, `CU_STREAM_PER_THREAD` the calling thread's per-thread stream), keyed by the
+/// driver's stream id, never by the handle's value.
+///
+/// # Safety
+/// On CUDA, `raw` must be a live stream of the device's primary context (or one of the
+/// special handles), and outlive every use of the returned stream and of blocks allocated
+/// on it. On the simulator any value is sound.
+pub unsafe fn stream(device: usize, raw: u64) -> Result<Stream> {
+    let e = entry(device)?;
+    Ok(stream_rec(e, raw)?.stream.clone())
+}
+
+/// Every pool made so far, with its device ordinal.
+pub fn pools() -> Vec<(usize, Pool)> {
+    entries().map(|e| (e.ordinal, e.pool.clone())).collect()
+}
+
+/// Trim every pool made so far ([`Pool::trim`]); the first error is returned, after all
+/// were tried.
+pub fn trim() -> Result<()> {
+    let mut first = Ok(());
+    for e in entries() {
+        if let Err(err) = e.pool.trim() {
+            first = first.and(Err(err));
+        }
+    }
+    first
+}
+
+/// The entries made so far.
+pub(crate) fn entries() -> impl Iterator<Item = &'static Entry> {
+    // SAFETY: a published entry is never dropped or replaced (see the module docs).
+    ENTRIES.iter().filter_map(|p| unsafe { p.load(Ordering::Acquire).as_ref() })
+}
+
+/// Device `device`'s entry, made on first use.
+#[inline]
+pub(crate) fn entry(device: usize) -> Result<&'static Entry> {
+    let slot = ENTRIES
+        .get(device)
+        .ok_or_else(|| Error::InvalidArgument(format!("device {device}: the registry serves ordinals 0 to 63")))?;
+    // SAFETY: as in `entries`.
+    match unsafe { slot.load(Ordering::Acquire).as_ref() } {
+        Some(e) => Ok(e),
+        None => make_entry(device, slot),
+    }
+}
+
+#[cold]
+fn make_entry(device: usize, slot: &AtomicPtr<Entry>) -> Result<&'static Entry> {
+    let config = config()?;
+    let kind = device_kind()?;
+    let _one = CREATE.lock().unwrap_or_else(|p| p.into_inner());
+    // SAFETY: as in `entries`.
+    if let Some(e) = unsafe { slot.load(Ordering::Acquire).as_ref() } {
+        return Ok(e);
+    }
+    let dev: Arc<dyn Device> = match kind {
+        DeviceKind::Simulated => {
+            if device >= config.sim_devices {
+                return Err(Error::NoDevice(format!(
+                    "no simulated device {device}: there are {} (VRAMPOOL_SIM_DEVICES)",
+                    config.sim_devices
+                )));
+            }
+            Arc::new(SimDevice::new(config.sim_bytes))
+        }
+        DeviceKind::Cuda => cuda_device(device)?,
+    };
+    let pool = Pool::with_device(dev, config.pool.clone())?;
+    let entry = Box::new(Entry { ordinal: device, pool, kind, streams: Streams::new(config.max_streams) });
+    let p = Box::into_raw(entry);
+    // Release: whoever loads the pointer sees the entry whole.
+    slot.store(p, Ordering::Release);
+    // SAFETY: just published, never dropped.
+    Ok(unsafe { &*p })
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_device(device: usize) -> Result<Arc<dyn Device>> {
+    let missing = crate::device::cuda::missing_symbols(&["cuStreamGetId"]).map_err(Error::NoDevice)?;
+    if !missing.is_empty() {
+        return Err(Error::NoDevice("the CUDA driver lacks cuStreamGetId (CUDA 12.0 or later is needed)".into()));
+    }
+    Ok(Arc::new(crate::CudaDevice::new(device)?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_device(_device: usize) -> Result<Arc<dyn Device>> {
+    cuda_available().map(|_| unreachable!())
+}
+
+/// The key the registry gives raw handle `raw` on `e`'s device, from the calling thread.
+#[inline]
+pub(crate) fn stream_key(e: &Entry, raw: u64) -> Result<u64> {
+    match e.kind {
+        DeviceKind::Simulated => Ok(raw),
+        #[cfg(feature = "cuda")]
+        DeviceKind::Cuda => streams::cuda_key(raw, streams::cu_stream_id),
+        #[cfg(not(feature = "cuda"))]
+        DeviceKind::Cuda => Err(Error::NoDevice("built without the `cuda` feature".into())),
+    }
+}
+
+/// The stream of raw handle `raw` on `e`'s device, made the first time its key is seen.
+pub(crate) fn stream_rec(e: &Entry, raw: u64) -> Result<Arc<StreamRec>> {
+    let key = stream_key(e, raw)?;
+    e.streams.get_or_make(key, raw, || match e.kind {
+        DeviceKind::Simulated => e.pool.device().create_stream(),
+        // SAFETY: the caller of the C ABI (or of `stream`) promised a live stream of the
+        // device's primary context; the wrapper never destroys it.
+        DeviceKind::Cuda => unsafe { e.pool.device().wrap_stream(raw) },
+    })
+}

@@ -1,0 +1,347 @@
+/* The C ABI from C, on the simulator: every entry point, every bad input, threads with
+ * their own streams freeing each other's blocks, record_stream, and the statistics JSON.
+ *
+ * Built and run by tests/c_abi.rs (cc -std=c11 -Wall -Wextra -Werror -pthread against
+ * include/vrampool.h and libvrampool.so) with VRAMPOOL_DEVICE=sim. Exits 0 when every check
+ * passed; otherwise prints the failed check and exits 1. */
+#define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vrampool.h"
+
+static int failures = 0;
+
+#define CHECK(cond)                                                                     \
+    do {                                                                                \
+        if (!(cond)) {                                                                  \
+            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond);   \
+            failures++;                                                                 \
+        }                                                                               \
+    } while (0)
+
+/* The calling thread's error must be `code` with a message, then cleared. */
+#define CHECK_ERROR(code)                                                               \
+    do {                                                                                \
+        int got_ = vrampool_last_error_code();                                          \
+        const char *msg_ = vrampool_last_error();                                       \
+        if (got_ != (code) || msg_ == NULL || msg_[0] == 0) {                           \
+            fprintf(stderr, "%s:%d: expected error %d, got %d (%s)\n", __FILE__,        \
+                    __LINE__, (int)(code), got_, msg_ ? msg_ : "no message");           \
+            failures++;                                                                 \
+        }                                                                               \
+        CHECK(vrampool_last_error() == NULL);                                           \
+        CHECK(vrampool_last_error_code() == 0);                                         \
+    } while (0)
+
+#define CHECK_NO_ERROR()                                                                \
+    do {                                                                                \
+        const char *msg_ = vrampool_last_error();                                       \
+        if (msg_ != NULL) {                                                             \
+            fprintf(stderr, "%s:%d: unexpected error: %s\n", __FILE__, __LINE__, msg_); \
+            failures++;                                                                 \
+        }                                                                               \
+    } while (0)
+
+/* A number from the device's statistics JSON. */
+static long long stat(int device, const char *key) {
+    char buf[8192];
+    size_t n = vrampool_stats_json(device, buf, sizeof buf);
+    if (n == 0 || n >= sizeof buf) {
+        fprintf(stderr, "stats_json returned %zu\n", n);
+        failures++;
+        return -1;
+    }
+    char pattern[128];
+    snprintf(pattern, sizeof pattern, "\"%s\":", key);
+    const char *at = strstr(buf, pattern);
+    if (at == NULL) {
+        fprintf(stderr, "no key %s in %s\n", key, buf);
+        failures++;
+        return -1;
+    }
+    return strtoll(at + strlen(pattern), NULL, 10);
+}
+
+static void *stream_of(int i) { return (void *)(uintptr_t)(0x1000 + i); }
+
+static void versions(void) {
+    CHECK(vrampool_abi_version() == VRAMPOOL_ABI_VERSION);
+    const char *v = vrampool_version();
+    CHECK(v != NULL && strchr(v, '.') != NULL);
+    CHECK(vrampool_last_error() == NULL);
+}
+
+static void malloc_inputs(void) {
+    /* Empty tensors get NULL, without an error. */
+    CHECK(vrampool_malloc(0, 0, NULL) == NULL);
+    CHECK_NO_ERROR();
+    CHECK(vrampool_malloc(-1, 0, NULL) == NULL);
+    CHECK_ERROR(VRAMPOOL_ERROR_INVALID_ARGUMENT);
+    CHECK(vrampool_malloc((ssize_t)1 << 50, 0, NULL) == NULL);
+    int code = vrampool_last_error_code();
+    CHECK(code == VRAMPOOL_ERROR_TOO_LARGE || code == VRAMPOOL_ERROR_OUT_OF_MEMORY);
+    CHECK(vrampool_last_error() != NULL);
+    CHECK(vrampool_malloc(4096, -1, NULL) == NULL);
+    CHECK_ERROR(VRAMPOOL_ERROR_INVALID_ARGUMENT);
+    CHECK(vrampool_malloc(4096, 7, NULL) == NULL); /* one simulated device */
+    CHECK_ERROR(VRAMPOOL_ERROR_NO_DEVICE);
+}
+
+static void last_error_is_dlerror(void) {
+    CHECK(vrampool_malloc(-5, 0, NULL) == NULL);
+    /* A successful call neither sets nor clears it. */
+    void *p = vrampool_malloc(512, 0, NULL);
+    CHECK(p != NULL);
+    const char *msg = vrampool_last_error();
+    CHECK(msg != NULL && strstr(msg, "-5") != NULL);
+    CHECK(vrampool_last_error() == NULL);
+    vrampool_free(p, 512, 0, NULL);
+    CHECK_NO_ERROR();
+}
+
+static void free_inputs(void) {
+    long long invalid0 = stat(0, "abi_invalid_frees");
+    long long double0 = stat(0, "abi_double_frees");
+    long long size0 = stat(0, "abi_wrong_size_frees");
+    long long stream0 = stat(0, "abi_wrong_stream_frees");
+
+    vrampool_free(NULL, 0, 0, NULL);
+    vrampool_free(NULL, 123, 99, stream_of(1));
+    CHECK_NO_ERROR();
+
+    const ssize_t n = 1 << 20;
+    char *p = vrampool_malloc(n, 0, NULL);
+    CHECK(p != NULL && ((uintptr_t)p % 256) == 0);
+    /* Simulated device memory is host memory: it can be written. */
+    memset(p, 0xab, (size_t)n);
+    CHECK(stat(0, "allocated_bytes") >= n);
+
+    int local = 0;
+    vrampool_free(&local, 4, 0, NULL); /* foreign */
+    CHECK_ERROR(VRAMPOOL_ERROR_INVALID_FREE);
+    vrampool_free(p + 1, n - 1, 0, NULL); /* interior, off the grid */
+    CHECK_ERROR(VRAMPOOL_ERROR_INVALID_FREE);
+    vrampool_free(p + 4096, n - 4096, 0, NULL); /* interior, on the grid */
+    CHECK_ERROR(VRAMPOOL_ERROR_INVALID_FREE);
+    vrampool_free(p, n - 256, 0, NULL); /* wrong size */
+    CHECK_ERROR(VRAMPOOL_ERROR_INVALID_FREE);
+    vrampool_free(p, -1, 0, NULL); /* impossible size */
+    CHECK_ERROR(VRAMPOOL_ERROR_INVALID_FREE);
+    vrampool_free(p, n, 0, stream_of(42)); /* wrong stream */
+    CHECK_ERROR(VRAMPOOL_ERROR_INVALID_FREE);
+    vrampool_free(p, n, 3, NULL); /* a device with no pool */
+    CHECK_ERROR(VRAMPOOL_ERROR_INVALID_FREE);
+    /* None of those freed it. */
+    CHECK(stat(0, "allocated_bytes") >= n);
+
+    vrampool_free(p, n, 0, NULL);
+    CHECK_NO_ERROR();
+    vrampool_free(p, n, 0, NULL); /* double free */
+    CHECK_ERROR(VRAMPOOL_ERROR_DOUBLE_FREE);
+
+    CHECK(stat(0, "abi_invalid_frees") == invalid0 + 4);
+    CHECK(stat(0, "abi_double_frees") == double0 + 1);
+    CHECK(stat(0, "abi_wrong_size_frees") == size0 + 2);
+    CHECK(stat(0, "abi_wrong_stream_frees") == stream0 + 1);
+    CHECK(stat(0, "allocated_bytes") == 0);
+}
+
+static void stats_json_is_snprintf(void) {
+    size_t n = vrampool_stats_json(0, NULL, 0);
+    CHECK(n > 2);
+    CHECK_NO_ERROR();
+    char *buf = malloc(n + 1);
+    memset(buf, 'x', n + 1);
+    CHECK(vrampool_stats_json(0, buf, n + 1) == n);
+    CHECK(strlen(buf) == n && buf[0] == '{' && buf[n - 1] == '}');
+    CHECK(strstr(buf, "\"allocated_bytes\":") != NULL);
+    CHECK(strstr(buf, "\"reserved_bytes\":") != NULL);
+    CHECK(strstr(buf, "\"abi_double_frees\":") != NULL);
+    char small[10];
+    memset(small, 'x', sizeof small);
+    CHECK(vrampool_stats_json(0, small, sizeof small) == n);
+    CHECK(strlen(small) == sizeof small - 1 && memcmp(small, buf, sizeof small - 1) == 0);
+    char one = 'x';
+    CHECK(vrampool_stats_json(0, &one, 1) == n);
+    CHECK(one == 0);
+    free(buf);
+    CHECK(vrampool_stats_json(0, NULL, 5) == 0);
+    CHECK_ERROR(VRAMPOOL_ERROR_INVALID_ARGUMENT);
+    CHECK(vrampool_stats_json(-1, NULL, 0) == 0);
+    CHECK_ERROR(VRAMPOOL_ERROR_INVALID_ARGUMENT);
+}
+
+static void record_stream_inputs(void) {
+    CHECK(vrampool_record_stream(NULL, NULL) == VRAMPOOL_ERROR_INVALID_ARGUMENT);
+    CHECK_ERROR(VRAMPOOL_ERROR_INVALID_ARGUMENT);
+    int local = 0;
+    CHECK(vrampool_record_stream(&local, NULL) == VRAMPOOL_ERROR_INVALID_FREE);
+    CHECK_ERROR(VRAMPOOL_ERROR_INVALID_FREE);
+    char *p = vrampool_malloc(8192, 0, stream_of(1));
+    CHECK(p != NULL);
+    CHECK(vrampool_record_stream(p + 256, stream_of(2)) != 0);
+    CHECK(vrampool_last_error() != NULL);
+    /* Its own stream: nothing to do; another: recorded (twice is once). */
+    CHECK(vrampool_record_stream(p, stream_of(1)) == 0);
+    CHECK(vrampool_record_stream(p, stream_of(2)) == 0);
+    CHECK(vrampool_record_stream(p, stream_of(2)) == 0);
+    CHECK(vrampool_record_stream(p, NULL) == 0);
+    CHECK_NO_ERROR();
+    /* A recorded block is freed with its own stream, as any other. */
+    vrampool_free(p, 8192, 0, stream_of(2));
+    CHECK_ERROR(VRAMPOOL_ERROR_INVALID_FREE);
+    vrampool_free(p, 8192, 0, stream_of(1));
+    CHECK_NO_ERROR();
+    CHECK(vrampool_record_stream(p, stream_of(2)) == VRAMPOOL_ERROR_DOUBLE_FREE);
+    CHECK(vrampool_last_error() != NULL);
+    vrampool_free(p, 8192, 0, stream_of(1));
+    CHECK_ERROR(VRAMPOOL_ERROR_DOUBLE_FREE);
+}
+
+/* Threads, each with its own stream: each allocates, frees some blocks itself, records
+ * another thread's stream on some, and hands the rest to the next thread to free. */
+enum { THREADS = 4, ROUNDS = 2000, HANDOFF = 64 };
+
+struct handoff {
+    pthread_mutex_t lock;
+    void *ptr[HANDOFF * 4];
+    ssize_t size[HANDOFF * 4];
+    void *stream[HANDOFF * 4];
+    int n;
+};
+
+static struct handoff rings[THREADS];
+static pthread_barrier_t start, drained;
+static int thread_failures[THREADS];
+
+static void *worker(void *arg) {
+    int me = (int)(intptr_t)arg;
+    struct handoff *mine = &rings[me], *next = &rings[(me + 1) % THREADS];
+    unsigned seed = 12345u + (unsigned)me;
+    pthread_barrier_wait(&start);
+    for (int r = 0; r < ROUNDS; r++) {
+        ssize_t n = 256 + (ssize_t)(rand_r(&seed) % (1 << 18));
+        char *p = vrampool_malloc(n, 0, stream_of(me));
+        if (p == NULL) {
+            fprintf(stderr, "thread %d: malloc(%zd): %s\n", me, n, vrampool_last_error());
+            thread_failures[me]++;
+            continue;
+        }
+        p[0] = (char)me;
+        p[n - 1] = (char)r;
+        if (r % 7 == 0 && vrampool_record_stream(p, stream_of((me + 2) % THREADS)) != 0) {
+            fprintf(stderr, "thread %d: record_stream: %s\n", me, vrampool_last_error());
+            thread_failures[me]++;
+        }
+        if (r % 2 == 0) {
+            vrampool_free(p, n, 0, stream_of(me));
+        } else {
+            /* To the next thread, which frees it with this thread's stream. */
+            pthread_mutex_lock(&next->lock);
+            if (next->n < HANDOFF * 4) {
+                next->ptr[next->n] = p;
+                next->size[next->n] = n;
+                next->stream[next->n] = stream_of(me);
+                next->n++;
+                p = NULL;
+            }
+            pthread_mutex_unlock(&next->lock);
+            if (p != NULL) {
+                vrampool_free(p, n, 0, stream_of(me));
+            }
+        }
+        if (r % 16 == 0 || r == ROUNDS - 1) {
+            pthread_mutex_lock(&mine->lock);
+            for (int i = 0; i < mine->n; i++) {
+                vrampool_free(mine->ptr[i], mine->size[i], 0, mine->stream[i]);
+            }
+            mine->n = 0;
+            pthread_mutex_unlock(&mine->lock);
+        }
+        if (vrampool_last_error() != NULL) {
+            thread_failures[me]++;
+        }
+    }
+    pthread_barrier_wait(&drained);
+    /* Blocks handed over after this thread's last drain. */
+    pthread_mutex_lock(&mine->lock);
+    for (int i = 0; i < mine->n; i++) {
+        vrampool_free(mine->ptr[i], mine->size[i], 0, mine->stream[i]);
+    }
+    mine->n = 0;
+    pthread_mutex_unlock(&mine->lock);
+    if (vrampool_last_error() != NULL) {
+        thread_failures[me]++;
+    }
+    return NULL;
+}
+
+static void threads(void) {
+    long long foreign0 = stat(0, "abi_foreign_frees");
+    pthread_t t[THREADS];
+    pthread_barrier_init(&start, NULL, THREADS);
+    pthread_barrier_init(&drained, NULL, THREADS);
+    for (int i = 0; i < THREADS; i++) {
+        pthread_mutex_init(&rings[i].lock, NULL);
+        rings[i].n = 0;
+    }
+    for (int i = 0; i < THREADS; i++) {
+        CHECK(pthread_create(&t[i], NULL, worker, (void *)(intptr_t)i) == 0);
+    }
+    for (int i = 0; i < THREADS; i++) {
+        pthread_join(t[i], NULL);
+        CHECK(thread_failures[i] == 0);
+    }
+    CHECK(stat(0, "abi_foreign_frees") > foreign0);
+    CHECK(stat(0, "abi_pending_frees") == 0);
+    CHECK(stat(0, "allocated_bytes") == 0);
+    CHECK(stat(0, "abi_late_double_frees") == 0);
+}
+
+/* Run with a bad VRAMPOOL_DEVICE: every call that needs a pool fails with a clear error. */
+static int bad_config(void) {
+    CHECK(vrampool_malloc(4096, 0, NULL) == NULL);
+    CHECK(vrampool_last_error_code() == VRAMPOOL_ERROR_CONFIG);
+    const char *msg = vrampool_last_error();
+    CHECK(msg != NULL && strstr(msg, "VRAMPOOL_DEVICE") != NULL);
+    CHECK(vrampool_stats_json(0, NULL, 0) == 0);
+    CHECK(vrampool_last_error_code() == VRAMPOOL_ERROR_CONFIG);
+    CHECK(vrampool_last_error() != NULL);
+    /* Nothing to trim: succeeds. */
+    CHECK(vrampool_empty_cache() == 0);
+    if (failures != 0) {
+        fprintf(stderr, "%d checks failed\n", failures);
+        return 1;
+    }
+    printf("C ABI test (bad configuration): every check passed\n");
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1 && strcmp(argv[1], "bad-config") == 0) {
+        return bad_config();
+    }
+    versions();
+    malloc_inputs();
+    last_error_is_dlerror();
+    free_inputs();
+    stats_json_is_snprintf();
+    record_stream_inputs();
+    threads();
+    CHECK(stat(0, "allocated_bytes") == 0);
+    CHECK(vrampool_empty_cache() == 0);
+    CHECK_NO_ERROR();
+    CHECK(stat(0, "allocated_bytes") == 0);
+    CHECK(stat(0, "reserved_bytes") == 0);
+    CHECK(stat(0, "abi_internal_errors") == 0);
+    if (failures != 0) {
+        fprintf(stderr, "%d checks failed\n", failures);
+        return 1;
+    }
+    printf("C ABI test: every check passed\n");
+    return 0;
+}

@@ -1,0 +1,131 @@
+"""The C ABI through Python's ctypes, on the simulator: what a Python program (or PyTorch's
+CUDAPluggableAllocator, which loads the same symbols) sees.
+
+    VRAMPOOL_DEVICE=sim python3 tests/python/smoke.py target/release/libvrampool.so
+
+Run by tests/c_abi.rs. Exits 0 when every check passed.
+"""
+
+import ctypes
+import json
+import os
+import sys
+import threading
+
+os.environ.setdefault("VRAMPOOL_DEVICE", "sim")
+os.environ.setdefault("VRAMPOOL_SIM_BYTES", "2GiB")
+
+lib = ctypes.CDLL(sys.argv[1] if len(sys.argv) > 1 else "target/release/libvrampool.so")
+
+vp = ctypes.c_void_p
+lib.vrampool_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, vp]
+lib.vrampool_malloc.restype = vp
+lib.vrampool_free.argtypes = [vp, ctypes.c_ssize_t, ctypes.c_int, vp]
+lib.vrampool_free.restype = None
+lib.vrampool_record_stream.argtypes = [vp, vp]
+lib.vrampool_record_stream.restype = ctypes.c_int
+lib.vrampool_empty_cache.argtypes = []
+lib.vrampool_empty_cache.restype = ctypes.c_int
+lib.vrampool_stats_json.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+lib.vrampool_stats_json.restype = ctypes.c_size_t
+lib.vrampool_last_error.argtypes = []
+lib.vrampool_last_error.restype = ctypes.c_char_p
+lib.vrampool_last_error_code.argtypes = []
+lib.vrampool_last_error_code.restype = ctypes.c_int
+lib.vrampool_version.restype = ctypes.c_char_p
+lib.vrampool_abi_version.restype = ctypes.c_uint32
+
+INVALID_ARGUMENT, INVALID_FREE, DOUBLE_FREE = 1, 2, 3
+
+
+def stats(device=0):
+    n = lib.vrampool_stats_json(device, None, 0)
+    assert n > 0, lib.vrampool_last_error()
+    buf = ctypes.create_string_buffer(n + 1)
+    assert lib.vrampool_stats_json(device, buf, n + 1) == n
+    return json.loads(buf.value)
+
+
+def expect_error(code):
+    got = lib.vrampool_last_error_code()
+    msg = lib.vrampool_last_error()
+    assert got == code and msg, (code, got, msg)
+    assert lib.vrampool_last_error() is None
+
+
+def stream(i):
+    return vp(0x2000 + i)
+
+
+def main():
+    assert lib.vrampool_abi_version() == 1
+    assert b"." in lib.vrampool_version()
+    assert lib.vrampool_last_error() is None
+
+    assert lib.vrampool_malloc(0, 0, None) is None
+    assert lib.vrampool_last_error() is None
+    assert lib.vrampool_malloc(-3, 0, None) is None
+    expect_error(INVALID_ARGUMENT)
+
+    s = stats()
+    for key in ("allocated_bytes", "reserved_bytes", "cached_bytes", "abi_double_frees", "abi_pending_frees"):
+        assert key in s, key
+
+    p = lib.vrampool_malloc(1 << 20, 0, stream(0))
+    assert p is not None and p % 256 == 0
+    ctypes.memset(p, 7, 1 << 20)  # simulated device memory is host memory
+    assert stats()["allocated_bytes"] >= 1 << 20
+    assert lib.vrampool_record_stream(p, stream(1)) == 0
+    lib.vrampool_free(p + 256, (1 << 20) - 256, 0, stream(0))
+    expect_error(INVALID_FREE)
+    lib.vrampool_free(p, 1 << 20, 0, stream(0))
+    assert lib.vrampool_last_error() is None
+    lib.vrampool_free(p, 1 << 20, 0, stream(0))
+    expect_error(DOUBLE_FREE)
+    lib.vrampool_free(None, 5, 0, None)
+    assert lib.vrampool_last_error() is None
+
+    # Blocks allocated on one thread and freed on another, each thread its own stream.
+    blocks = []
+    lock = threading.Lock()
+
+    def alloc(i):
+        for k in range(200):
+            size = 256 * (1 + (k * 37 + i) % 500)
+            q = lib.vrampool_malloc(size, 0, stream(10 + i))
+            assert q is not None, lib.vrampool_last_error()
+            with lock:
+                blocks.append((q, size, 10 + i))
+
+    threads = [threading.Thread(target=alloc, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert stats()["allocated_bytes"] > 0
+
+    def free(part):
+        for q, size, i in part:
+            lib.vrampool_free(q, size, 0, stream(i))
+            assert lib.vrampool_last_error() is None
+
+    parts = [blocks[i::3] for i in range(3)]
+    threads = [threading.Thread(target=free, args=(part,)) for part in parts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    s = stats()
+    assert s["allocated_bytes"] == 0, s
+    assert s["abi_pending_frees"] == 0, s
+    assert s["abi_foreign_frees"] > 0, s
+    assert lib.vrampool_empty_cache() == 0, lib.vrampool_last_error()
+    s = stats()
+    assert s["allocated_bytes"] == 0 and s["reserved_bytes"] == 0, s
+    assert s["abi_internal_errors"] == 0, s
+    print("Python ctypes smoke test: every check passed")
+
+
+if __name__ == "__main__":
+    main()
