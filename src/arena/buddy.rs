@@ -253,11 +253,19 @@ impl Arena {
     /// free caught at this order; nothing changed) or `i` is out of range.
     fn free_order(&self, i: usize, k: u32) -> Option<(usize, u32)> {
         let _g = InFlight::enter(self);
+        let got = self.merge_free(i, k)?;
+        self.free_bytes.fetch_add(1 << k, Ordering::AcqRel);
+        Some(got)
+    }
+
+    /// [`Arena::free_order`]'s bitmap work alone: the caller holds an [`InFlight`] across it
+    /// and counts the bytes, once for all the pieces of one block (a free of a 768-byte block
+    /// is two pieces; one guard and one counter update instead of two of each).
+    fn merge_free(&self, i: usize, k: u32) -> Option<(usize, u32)> {
         let first = self.bitmap(k).set(i)?;
         if first.was_set {
             return None;
         }
-        self.free_bytes.fetch_add(1 << k, Ordering::AcqRel);
         let (mut i, mut k, mut buddy) = (i, k, first.buddy_was_set);
         while buddy && k < self.top {
             if !self.bitmap(k).try_clear_pair(i) {
@@ -288,14 +296,15 @@ impl Arena {
         let tail = n != 1 << k;
         loop {
             if let Some((i, guard)) = self.take(k, tail) {
-                self.free_bytes.fetch_sub(1 << k, Ordering::AcqRel);
+                // The tail goes back below, under the guard `take` kept for it.
+                self.free_bytes.fetch_sub(n, Ordering::AcqRel);
                 let off = (i as u64) << k;
                 let mut at = n;
                 while at < 1 << k {
                     let piece = at & at.wrapping_neg();
                     let pk = piece.trailing_zeros();
                     // Pieces of a block just claimed: their bits are clear, so these succeed.
-                    let _ = self.free_order(((off + at) >> pk) as usize, pk);
+                    let _ = self.merge_free(((off + at) >> pk) as usize, pk);
                     at += piece;
                 }
                 drop(guard);
@@ -339,19 +348,23 @@ impl Arena {
             return None;
         }
         let mut at = off;
-        let mut all = true;
+        let mut freed = 0;
         let mut whole = None;
+        let guard = InFlight::enter(self);
         for b in (MIN_ORDER..=k).rev() {
             if n & (1 << b) != 0 {
-                match self.free_order((at >> b) as usize, b) {
-                    Some((i, order)) if order == self.top => whole = Some(i),
-                    Some(_) => {}
-                    None => all = false,
+                if let Some((i, order)) = self.merge_free((at >> b) as usize, b) {
+                    freed += 1 << b;
+                    if order == self.top {
+                        whole = Some(i);
+                    }
                 }
                 at += 1 << b;
             }
         }
-        all.then_some(whole)
+        self.free_bytes.fetch_add(freed, Ordering::AcqRel);
+        drop(guard);
+        (freed == n).then_some(whole)
     }
 
     /// The size of the largest free block (0 if none): exact when no operation is in flight.

@@ -60,11 +60,13 @@
 //! * **Why no lock**: every step is a single-word RMW on a bitmap word or a counter; a stalled
 //!   thread holds at most the granules of its own partial claim, and others walk past them.
 //! * **The only wait, and only on the failure path**: a walk can miss free granules another
-//!   thread holds for a moment and will roll back, or that a free is clearing below a stale
-//!   hint. Claims and frees are bracketed by `in_flight`; a rollback or free bumps `changes`
-//!   (after clearing and lowering the hint, before leaving `in_flight`). `alloc` answers `None`
-//!   only after a walk from word 0 (hint ignored) found no run while nothing was in flight and
-//!   `changes` did not move; otherwise it walks again, spinning with `spin_hint`. Every write to
+//!   thread holds for a moment and will roll back, or that lie below a stale hint. Claims are
+//!   bracketed by `in_flight`; a rollback bumps `changes` (after clearing and lowering the
+//!   hint, before leaving `in_flight`). `alloc` answers `None` only after a walk from word 0
+//!   (hint ignored) found no run while nothing was in flight and `changes` did not move;
+//!   otherwise it walks again, spinning with `spin_hint`. A free needs neither: it only makes
+//!   room, and a walk that misses a free under way may answer `None`, the allocation then
+//!   ordered before the free (two RMWs fewer on every free). Every write to
 //!   the words and counters is an `AcqRel` RMW, with `SeqCst` fences around the walk, so a walk
 //!   that saw a word in its held state also sees the `in_flight` increment made before it.
 //!   A successful claim only sets bits, so it need not bump `changes`: the state at the end of
@@ -97,9 +99,9 @@ pub struct Extents {
     free_bytes: AtomicU64,
     /// `seq << 32 | word`: every word below `word` is full (see the module docs).
     hint: AtomicU64,
-    /// Claims and frees in progress.
+    /// Claims in progress.
     in_flight: AtomicUsize,
-    /// Bumped by every free and rollback, before it leaves `in_flight`.
+    /// Bumped by every rollback, before it leaves `in_flight`.
     changes: AtomicUsize,
 }
 
@@ -389,7 +391,10 @@ impl Extents {
         let mut own = 0usize;
         let mut before = self.changes.load(Ordering::Acquire);
         loop {
-            fence(Ordering::SeqCst);
+            if from_zero {
+                // Only a confirming walk needs its reads ordered after `before`'s.
+                fence(Ordering::SeqCst);
+            }
             let found = self.first_fit_with(k, align, from_zero, restart, &mut |g| {
                 accept(self.base + (g << self.shift), len).map_err(past)
             });
@@ -533,7 +538,9 @@ impl Extents {
         if !all_set {
             return false;
         }
-        let mut guard = InFlight::enter(self);
+        // No `in_flight` or `changes` here: a free only makes room, so a walk that misses it
+        // while it is under way may answer `None` (the allocation then comes before the free,
+        // which is a valid order). Only a claim's rollback hides room that was there before.
         // Add before clearing, so `free_bytes` never falls below what the bits show.
         self.free_bytes.fetch_add(k << self.shift, Ordering::AcqRel);
         let mut already_clear = 0u64;
@@ -548,7 +555,6 @@ impl Extents {
             self.free_bytes.fetch_sub(already_clear << self.shift, Ordering::AcqRel);
         }
         self.lower_hint((start / BITS) as usize);
-        guard.cleared = true;
         already_clear == 0
     }
 

@@ -30,7 +30,7 @@ use crate::sync::epoch;
 const EVENT_EVERY_BLOCKS: u64 = 64;
 /// ... or this many bytes: a page's worth, so that pages falling free can be traded soon
 /// after (an unmap needs their fences complete).
-const EVENT_EVERY_BYTES: u64 = 2 << 20;
+const EVENT_EVERY_BYTES: u64 = 64 << 20;
 
 /// What the pool knows of one stream.
 pub(crate) struct StreamState {
