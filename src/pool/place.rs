@@ -221,6 +221,26 @@ impl PoolInner {
         let mut judge = Judge::new(self, st.slot, mode.reuse);
         let page = self.pages.page_size();
         let pages = &self.pages;
+        // Past a refused page, the pages after it that no block could use now either (lent
+        // with their memory busy elsewhere, or unmapped where mapping is forbidden): the walk
+        // resumes after them at once. Lent pages gather at the top of the mapped range (the
+        // highest free pages lend first), and a walk judging each on its own met dozens.
+        let skip_dead = |mut q: u64| loop {
+            if pages.is_lent(q) {
+                if pages.switch_source(q).is_some() {
+                    return q;
+                }
+                q += page;
+            } else if mode.mapping == Mapping::Forbidden && !pages.is_mapped(q) {
+                match pages.next_mapped(q) {
+                    Some(m) if m > q => q = m,
+                    Some(_) => return q,
+                    None => return u64::MAX,
+                }
+            } else {
+                return q;
+            }
+        };
         let mut accept = |addr: u64, len: u64| -> std::result::Result<(), u64> {
             // Each call judges afresh: only the last one (after the claim) counts, and its
             // waits are the ones to set up.
@@ -238,7 +258,7 @@ impl PoolInner {
                     let free_elsewhere = pages
                         .switch_source(p)
                         .filter(|s| !(addr / page * page..addr + len).contains(s) && !sources.contains(s));
-                    let Some(source) = free_elsewhere else { return Err(p + page - 1) };
+                    let Some(source) = free_elsewhere else { return Err(skip_dead(p + page) - 1) };
                     sources.push(source);
                 }
                 if mode.mapping == Mapping::Forbidden && !lent && !pages.is_mapped(p) {
