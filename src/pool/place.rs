@@ -181,12 +181,7 @@ impl Mapper for Pager<'_> {
         // stream's (its own, or complete), and carries `from`'s fences with it.
         let pool = self.pool;
         let page = pool.pages.page_size();
-        let mut judge = Judge::new(pool, self.st.slot, Reuse::Ready);
-        let mut ok = true;
-        pool.space.fences(from, page, |_, w| {
-            ok = judge.fence_ok(w);
-            ok
-        });
+        let ok = pool.switch_allowed(self.st, from);
         if ok {
             pool.space.copy_fences(from, to, page);
             Counters::bump(&pool.counters.pages_switched, 1);
@@ -196,6 +191,18 @@ impl Mapper for Pager<'_> {
 }
 
 impl PoolInner {
+    /// Whether `st` may take back the memory of the page at `from` (lent pages' memory,
+    /// serving there now and free): every fence on it lets `st` reuse it at once.
+    fn switch_allowed(&self, st: &StreamState, from: u64) -> bool {
+        let mut judge = Judge::new(self, st.slot, Reuse::Ready);
+        let mut ok = true;
+        self.space.fences(from, self.pages.page_size(), |_, w| {
+            ok = judge.fence_ok(w);
+            ok
+        });
+        ok
+    }
+
     /// Place `size` bytes (as `Space::size_for` gives) for `st`'s stream: the address, or None
     /// when `mode` finds no room (nothing changed then).
     pub(crate) fn place(&self, st: &StreamState, size: u64, mode: Mode) -> Result<Option<u64>> {
@@ -259,6 +266,12 @@ impl PoolInner {
                         .switch_source(p)
                         .filter(|s| !(addr / page * page..addr + len).contains(s) && !sources.contains(s));
                     let Some(source) = free_elsewhere else { return Err(skip_dead(p + page) - 1) };
+                    // The memory comes back only if the work queued on it allows (as
+                    // `Pager::switch` will judge): else the claim would fail after the walk,
+                    // when another candidate, or fresh pages, would have done.
+                    if !self.switch_allowed(st, source) {
+                        return Err(p + page - 1);
+                    }
                     sources.push(source);
                 }
                 if mode.mapping == Mapping::Forbidden && !lent && !pages.is_mapped(p) {
@@ -320,21 +333,28 @@ impl PoolInner {
     /// `st` holds for mapping: pages whose every fence lets `st` reuse them at once (freed on
     /// its own stream, or complete), so the new use is ordered after the old. True when lent.
     fn lend_to(&self, st: &StreamState, to: u64, len: usize) -> bool {
-        let mut judge = Judge::new(self, st.slot, Reuse::Ready);
-        let mut accept = |from: u64, l: u64| {
-            let mut ok = true;
-            self.space.fences(from, l, |_, w| {
-                ok = judge.fence_ok(w);
-                ok
-            });
-            ok
-        };
         let mut alias = |from: u64, to: u64, l: usize| {
             self.device.alias(from, to, l)?;
             Counters::bump(&self.counters.mapped, l as u64);
             Ok(())
         };
-        let lent = self.pages.lend(to, len, &mut accept, &mut alias);
+        // Pages `st` may take at once first; then, since the alternative is fresh memory, a
+        // page other streams' work still uses, with `st` made to wait for that work on the
+        // device (set up before the memory is shown at `to`, so `st`'s use comes after).
+        let lent = [Reuse::Ready, Reuse::Wait].into_iter().any(|reuse| {
+            let mut judge = Judge::new(self, st.slot, reuse);
+            let mut accept = |from: u64, l: u64| {
+                judge.waits.clear();
+                judge.memo = None;
+                let mut ok = true;
+                self.space.fences(from, l, |_, w| {
+                    ok = judge.fence_ok(w);
+                    ok
+                });
+                ok && (judge.waits.is_empty() || judge.settle(st))
+            };
+            self.pages.lend(to, len, &mut accept, &mut alias)
+        });
         if lent {
             Counters::bump(&self.counters.pages_lent, 1);
         }
