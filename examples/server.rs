@@ -339,12 +339,18 @@ fn main() {
         stats.peak_reserved_bytes as f64 / peak_live.max(1) as f64
     );
     println!(
-        "pool: T0 hits {:.3}, T1 hits {:.3}, {} ladder maps, {} ladder waits, {} ooms, {:.1} MiB unmapped",
+        "pool: T0 hits {:.3}, T1 hits {:.3}, {} ladder maps, {} host waits, {} device waits, {} ooms",
         stats.t0_hit_rate(),
         stats.t1_hit_rate(),
         stats.ladder_maps,
         stats.ladder_waits,
+        stats.device_waits,
         stats.ooms,
+    );
+    println!(
+        "pages: {} lent, {} switched back, {:.1} MiB unmapped (lent pages' addresses included)",
+        stats.pages_lent,
+        stats.pages_switched,
         mib(stats.unmapped_bytes)
     );
     if let Some(sim) = sim {
