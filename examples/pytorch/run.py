@@ -22,6 +22,7 @@ default here; VRAMPOOL_MAX_RESERVED, ...).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -87,24 +88,36 @@ class DeviceSampler:
 
 class NondeterminismLog:
     """The warnings torch.use_deterministic_algorithms(warn_only=True) gives: the ops that
-    have no deterministic kernel, whose outputs are compared within a tolerance."""
+    have no deterministic kernel, by the workload running when they warned. A workload
+    none of whose ops warned must give bit-identical outputs under both allocators."""
 
     def __init__(self):
-        self.seen: list[str] = []
+        self.seen: dict[str, list[str]] = {}
+        self.current = None
         self._show = warnings.showwarning
+        self._filters = None
 
     def __enter__(self):
         def show(message, category, filename, lineno, file=None, line=None):
             text = str(message)
-            if "deterministic" in text and text not in self.seen:
-                self.seen.append(text.splitlines()[0][:200])
+            if "deterministic" in text:
+                first = text.splitlines()[0][:200]
+                mine = self.seen.setdefault(self.current or "-", [])
+                if first in mine:
+                    return None
+                mine.append(first)
             return self._show(message, category, filename, lineno, file, line)
 
+        self._filters = warnings.filters[:]
+        # Every occurrence, not once per call site: a later workload that uses an op an
+        # earlier one warned about must be attributed too.
+        warnings.filterwarnings("always", message=".*deterministic.*")
         warnings.showwarning = show
         return self
 
     def __exit__(self, *exc):
         warnings.showwarning = self._show
+        warnings.filters[:] = self._filters
 
 
 def child(args) -> int:
@@ -136,6 +149,12 @@ def child(args) -> int:
     cfg = argparse.Namespace(seed=args.seed, quick=args.quick, threads=args.threads, device="cuda")
     with NondeterminismLog() as nondet:
         for name in args.only:
+            # Each workload from the same start: nothing cached from the one before (the
+            # empty_cache reaches vrampool through the C++ hook).
+            gc.collect()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            nondet.current = name
             c0 = backend.counters()
             sampler.reset()
             t0 = time.perf_counter()
@@ -151,7 +170,14 @@ def child(args) -> int:
             print(f"[{backend.name}] {name}: {r['throughput']:.1f} {r['unit']} "
                   f"({r['wall_s']:.2f} s timed), peak reserved {r['peak_reserved'] / GIB:.2f} GiB",
                   flush=True)
+            nondet.current = None
         report["nondeterministic_ops"] = nondet.seen
+    # The checks and the cost measurements need no determinism, and its fill of every new
+    # tensor would be counted in the per-tensor cost.
+    torch.use_deterministic_algorithms(False)
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     checks = report["checks"] = {}
     checks["record_stream"] = vp_checks.record_stream(backend)
     checks["empty_cache"] = vp_checks.empty_cache(backend)
@@ -200,15 +226,23 @@ def oom_probe(args) -> int:
 # ---- comparing outputs ---------------------------------------------------------------------
 
 
-def compare(a: dict, b: dict) -> dict:
+def same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Bit for bit (NaNs and signed zeros included, which torch.equal does not see)."""
+    return torch.equal(x.contiguous().reshape(-1).view(torch.uint8), y.contiguous().reshape(-1).view(torch.uint8))
+
+
+def compare(a: dict, b: dict, nondeterministic=()) -> dict:
     """Per workload: how many outputs, how many bit-exact, the largest difference, and
-    whether all are within the workload's tolerance (integer outputs must be equal)."""
+    whether they match: bit for bit where none of the workload's ops warned of a
+    nondeterministic kernel (in `nondeterministic`: workload names), else floating outputs
+    within the workload's tolerance; integer outputs must always be equal."""
     per: dict = {}
     for key in sorted(set(a) | set(b)):
         w = key.split("/")[0]
         rtol, atol = vp_workloads.TOLERANCE.get(w, (0.0, 0.0))
+        exact = w not in nondeterministic
         r = per.setdefault(w, {"outputs": 0, "exact": 0, "max_abs_diff": 0.0, "ok": True,
-                               "rtol": rtol, "atol": atol, "problems": []})
+                               "rtol": rtol, "atol": atol, "exact_required": exact, "problems": []})
         r["outputs"] += 1
         if key not in a or key not in b:
             r["ok"] = False
@@ -219,7 +253,7 @@ def compare(a: dict, b: dict) -> dict:
             r["ok"] = False
             r["problems"].append(f"{key}: {tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} {y.dtype}")
             continue
-        if torch.equal(x, y):
+        if same_bits(x, y):
             r["exact"] += 1
             continue
         if not x.is_floating_point():
@@ -229,25 +263,37 @@ def compare(a: dict, b: dict) -> dict:
             continue
         d = float((x.double() - y.double()).abs().nan_to_num(float("inf")).max())
         r["max_abs_diff"] = max(r["max_abs_diff"], d)
-        if not torch.allclose(x, y, rtol=rtol, atol=atol, equal_nan=True):
+        if exact:
+            r["ok"] = False
+            close = torch.allclose(x, y, rtol=rtol, atol=atol, equal_nan=True)
+            r["problems"].append(f"{key}: not bit-exact though no op warned of nondeterminism "
+                                 f"(max |diff| {d:.3g}, {'within' if close else 'beyond'} rtol {rtol} atol {atol})")
+        elif not torch.allclose(x, y, rtol=rtol, atol=atol, equal_nan=True):
             r["ok"] = False
             r["problems"].append(f"{key}: max |diff| {d:.3g} beyond rtol {rtol} atol {atol}")
     return per
 
 
 def compare_files(pa: str, pb: str) -> int:
-    per = compare(torch.load(pa), torch.load(pb))
+    nondet = set()
+    for pt in (pa, pb):  # the run's report beside its outputs names the workloads that warned
+        js = os.path.splitext(pt)[0] + ".json"
+        if os.path.exists(js):
+            with open(js) as f:
+                nondet |= {w for w, ops in json.load(f).get("nondeterministic_ops", {}).items() if ops}
+    per = compare(torch.load(pa), torch.load(pb), nondet)
     for line in comparison_lines(per):
         print(line)
     return 0 if all(r["ok"] for r in per.values()) else 1
 
 
 def comparison_lines(per: dict) -> list[str]:
-    lines = ["| workload | outputs | bit-exact | max abs diff | tolerance (rtol, atol) | match |",
+    lines = ["| workload | outputs | bit-exact | max abs diff | required | match |",
              "|---|---:|---:|---:|---|---|"]
     for w, r in per.items():
+        need = "bit-exact" if r.get("exact_required", True) else f"rtol {r['rtol']}, atol {r['atol']}"
         lines.append(f"| {w} | {r['outputs']} | {r['exact']} | {r['max_abs_diff']:.3g} | "
-                     f"{r['rtol']}, {r['atol']} | {'yes' if r['ok'] else 'NO'} |")
+                     f"{need} | {'yes' if r['ok'] else 'NO'} |")
         lines += [f"|  ↳ {p} | | | | | |" for p in r["problems"][:5]]
     return lines
 
@@ -297,12 +343,14 @@ def tables(reports: dict, per: dict | None) -> list[str]:
     for n in names:
         c = reports[n].get("checks", {})
         for case in c.get("record_stream", {}).get("cases", []):
+            where = "default stream" if case["threads"] == 1 else f"{case['threads']} threads, own streams"
             out.append(
-                f"| record_stream: {case['case']} | {n} | "
+                f"| record_stream: {case['case']}, {where} | {n} | "
                 f"{'clean' if case['corrupted_elements'] == 0 else 'CORRUPTED'} "
                 f"({case['corrupted_elements']} wrong, second pattern seen: {case['saw_second_pattern']}, "
-                f"same address: {case['same_address_reused']}, side busy at free: {case['side_busy_at_free']}"
-                + (f", reached pool: {case['reached_pool']}" if "reached_pool" in case else "")
+                f"same address reused: {case['same_address_reused']}/{case['runs']}, "
+                f"side busy at free: {case['side_busy_at_free']}/{case['runs']}"
+                + (f", calls reaching the hook: {case['reached_pool']}" if "reached_pool" in case else "")
                 + f"){'' if case['ok'] else ' FAIL'} |")
         e = c.get("empty_cache")
         if e:
@@ -310,15 +358,22 @@ def tables(reports: dict, per: dict | None) -> list[str]:
                        f" -> {fmt_bytes(e['reserved_after'])}, reached pool: {e['reached_pool']}"
                        f"{'' if e['ok'] else ' FAIL'} |")
         o = c.get("out_of_memory")
-        if o:
-            text = o.get("skipped") or f"raised {o.get('raised')}: {o.get('message', '')}; usable after: {o.get('usable_after')}"
-            out.append(f"| 64 TiB request | {n} | {text}{'' if o['ok'] else ' FAIL'} |")
+        if o and "skipped" in o:
+            out.append(f"| out of memory | {n} | {o['skipped']} |")
+        elif o:
+            for case in o["cases"]:
+                text = f"raised {case['raised']}: {case.get('message', '')}"
+                if "retry_after_free" in case:
+                    text += f"; after freeing the first: {case['retry_after_free']}"
+                out.append(f"| out of memory: {case['case']} | {n} | {text}{'' if case['ok'] else ' FAIL'} |")
+            out.append(f"| usable after out of memory | {n} | {o['usable_after']} |")
         for k, v in reports[n].get("pytorch_stats_calls", {}).items():
             out.append(f"| {k}() | {n} | {v} |")
         if reports[n].get("refusals"):
             out.append(f"| refused vrampool calls | {n} | {reports[n]['refusals']} FAIL |")
-        if reports[n].get("nondeterministic_ops"):
-            out.append(f"| nondeterministic ops | {n} | {'; '.join(reports[n]['nondeterministic_ops'])} |")
+        for w, ops in reports[n].get("nondeterministic_ops", {}).items():
+            if ops:
+                out.append(f"| nondeterministic ops in {w} | {n} | {'; '.join(ops)} |")
         if "oom_probe" in reports[n]:
             out.append(f"| 64 TiB request, public wrapper only | {n} | {reports[n]['oom_probe']} |")
     out += ["", "| allocation path | allocator | threads | window x size | ns per pair |",
@@ -330,24 +385,31 @@ def tables(reports: dict, per: dict | None) -> list[str]:
         for row in reports[n].get("wrapper_cost", {}).get("rows", []):
             label = {
                 "direct": "vrampool_malloc/free, direct",
+                "mutex": "the same, one std::mutex held per call",
                 "pluggable": "C++ CUDAPluggableAllocator malloc/raw_delete",
                 "allocator": "PyTorch's current allocator (raw_alloc_with_stream/raw_delete)",
             }[row["path"]]
             out.append(f"| {label} | {n} | {row['threads']} | {row['window']} x {row['size'] // 1024} KiB | "
                        f"{row['ns_per_pair']:.1f} |")
     out += ["", "The CUDAPluggableAllocator path takes PyTorch's wrapper per call: its std::function, "
-            "its mutex and its pointer -> (size, device, stream) map, then the C++ hook and vrampool; "
-            "its difference to 'direct' is the wrapper's cost (the current-allocator path adds a "
-            "cudaGetDevice). ns per pair: each thread's own time per pair, averaged over the threads; "
-            "each thread on its own stream."]
+            "its mutex and its pointer -> (size, device, stream) map (a heap node per allocation), then "
+            "the C++ hook and vrampool; its difference to 'direct' is the wrapper's cost, and 'mutex' - "
+            "'direct' the share of its lock alone (one process-wide lock per malloc and per free, as the "
+            "wrapper's allocator_mutex_). The current-allocator path adds a cudaGetDevice. ns per pair: "
+            "each thread's own time per pair, averaged over the threads; each thread on its own stream."]
     return out
 
 
 def driver(args) -> int:
+    started = time.perf_counter()
     out = args.out or tempfile.mkdtemp(prefix="vrampool_torch_")
     os.makedirs(out, exist_ok=True)
     if "vrampool" in args.allocators and not args.lib:
         sys.exit("--lib path/to/libvrampool.so is needed for the vrampool run")
+    for alloc in args.allocators:  # a child that dies must not leave an older run's files in use
+        for ext in (".json", ".pt"):
+            if os.path.exists(os.path.join(out, alloc + ext)):
+                os.remove(os.path.join(out, alloc + ext))
     if args.hooks == "cpp":
         t0 = time.perf_counter()
         vp_alloc.build_hooks(args.build_dir, args.verbose)  # cached for the children
@@ -371,15 +433,19 @@ def driver(args) -> int:
             with open(p) as f:
                 reports[alloc] = json.load(f)
     if "vrampool" in reports and not args.quick:
-        probe = subprocess.run([sys.executable, os.path.abspath(__file__), "--oom-probe"] + common,
-                               capture_output=True, text=True, timeout=300)
-        line = [ln for ln in probe.stdout.splitlines() if ln.startswith("OOM-PROBE ")]
-        reports["vrampool"]["oom_probe"] = (line[0][len("OOM-PROBE "):] if line else
-                                            f"exit {probe.returncode}: {probe.stderr.strip()[-300:]}")
+        try:
+            probe = subprocess.run([sys.executable, os.path.abspath(__file__), "--oom-probe"] + common,
+                                   capture_output=True, text=True, timeout=120)
+            line = [ln for ln in probe.stdout.splitlines() if ln.startswith("OOM-PROBE ")]
+            reports["vrampool"]["oom_probe"] = (line[0][len("OOM-PROBE "):] if line else
+                                                f"exit {probe.returncode}: {probe.stderr.strip()[-300:]}")
+        except subprocess.TimeoutExpired:
+            reports["vrampool"]["oom_probe"] = "did not finish in 120 s"
     per = None
     if len(reports) == 2 and all(os.path.exists(os.path.join(out, f"{a}.pt")) for a in reports):
         a, b = list(reports)
-        per = compare(torch.load(os.path.join(out, f"{a}.pt")), torch.load(os.path.join(out, f"{b}.pt")))
+        nondet = {w for r in reports.values() for w, ops in r.get("nondeterministic_ops", {}).items() if ops}
+        per = compare(torch.load(os.path.join(out, f"{a}.pt")), torch.load(os.path.join(out, f"{b}.pt")), nondet)
     lines = tables(reports, per) if reports else ["no child produced a report"]
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -387,7 +453,8 @@ def driver(args) -> int:
     ok = all(rc == 0 for rc in rcs.values()) and len(reports) == len(args.allocators)
     if per is not None:
         ok = ok and all(r["ok"] for r in per.values())
-    print(f"\nRESULT: {'PASS' if ok else 'FAIL'} (children {rcs}; files in {out})")
+    print(f"\nRESULT: {'PASS' if ok else 'FAIL'} (children {rcs}; {time.perf_counter() - started:.0f} s "
+          f"in all; files in {out})")
     return 0 if ok else 1
 
 

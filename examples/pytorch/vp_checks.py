@@ -29,7 +29,9 @@ def side_stream_reuse(record: bool, busy_ms: float, per_ms: float, mib: int = 64
     what tells the allocator that the side stream still uses x."""
     n = mib * 2**20 // 4
     main = torch.cuda.current_stream()
-    side = torch.cuda.Stream()
+    # High priority: from another pool of PyTorch's streams than the threads' own, so the
+    # side stream is never the main stream itself (which would make the test show nothing).
+    side = torch.cuda.Stream(priority=-1)
     x = torch.full((n,), 1.0, device="cuda")
     y = torch.empty(n, device="cuda")
     side.wait_stream(main)
@@ -58,9 +60,23 @@ def side_stream_reuse(record: bool, busy_ms: float, per_ms: float, mib: int = 64
     }
 
 
+def side_stream_reuse_threads(threads: int, record: bool, busy_ms: float, per_ms: float) -> list:
+    """side_stream_reuse on `threads` threads at once, each with its own main stream (and
+    its own side stream): the frees, reuses and record_stream calls of 4 streams overlap."""
+    from vp_workloads import run_threads
+
+    def body(t, stream, barrier):
+        barrier.wait()
+        return side_stream_reuse(record, busy_ms, per_ms)
+
+    _, results = run_threads(threads, body)
+    return results
+
+
 def record_stream(backend) -> dict:
     """The side-stream test with the hook on (must be clean) and, where the hook can be
-    removed, with it off (shows what a record_stream that never reaches the pool does)."""
+    removed, with it off (shows what a record_stream that never reaches the pool does);
+    each on the main thread's default stream and on 4 threads with their own streams."""
     per_ms = cycles_per_ms()
     cases = []
     if backend.name == "pytorch":
@@ -75,20 +91,35 @@ def record_stream(backend) -> dict:
     counted = backend.name == "vrampool" and backend.hooks == "cpp"
     out = []
     for label, call, hook in cases:
-        if switchable:
-            backend.set_record_stream_hook(hook)
-        before = backend.ext.counters()["record_streams"] if counted else None
-        try:
-            r = side_stream_reuse(call, busy_ms=100.0, per_ms=per_ms)
-        finally:
+        for threads in (1, 4):
             if switchable:
-                backend.set_record_stream_hook(True)
-        if before is not None:
-            r["reached_pool"] = backend.ext.counters()["record_streams"] - before > 0
-        r["case"] = label
-        r["must_be_clean"] = hook
-        r["ok"] = (r["corrupted_elements"] == 0) if hook else True
-        out.append(r)
+                backend.set_record_stream_hook(hook)
+            before = backend.ext.counters()["record_streams"] if counted else None
+            try:
+                if threads == 1:
+                    runs = [side_stream_reuse(call, busy_ms=100.0, per_ms=per_ms)]
+                else:
+                    runs = side_stream_reuse_threads(threads, call, busy_ms=100.0, per_ms=per_ms)
+            finally:
+                if switchable:
+                    backend.set_record_stream_hook(True)
+            r = {
+                "case": label,
+                "threads": threads,
+                "record_stream_called": call,
+                "corrupted_elements": sum(x["corrupted_elements"] for x in runs),
+                "saw_second_pattern": any(x["saw_second_pattern"] for x in runs),
+                "same_address_reused": sum(x["same_address_reused"] for x in runs),
+                "side_busy_at_free": sum(x["side_busy_at_free"] for x in runs),
+                "runs": len(runs),
+            }
+            if before is not None:
+                r["reached_pool"] = backend.ext.counters()["record_streams"] - before
+            r["must_be_clean"] = hook
+            # Clean is required with the hook; a side stream that had finished before the
+            # free would make the test show nothing, so it must have been busy.
+            r["ok"] = (r["corrupted_elements"] == 0 and r["side_busy_at_free"] == len(runs)) if hook else True
+            out.append(r)
     return {"cases": out, "ok": all(c["ok"] for c in out), "cycles_per_ms": per_ms}
 
 
@@ -116,28 +147,52 @@ def empty_cache(backend) -> dict:
     return r
 
 
+def _try_alloc(nbytes: int) -> dict:
+    """torch.empty of nbytes: whether it raised, what and with which message."""
+    try:
+        t = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    except torch.OutOfMemoryError as e:
+        return {"raised": "torch.OutOfMemoryError", "message": str(e).splitlines()[0][:300]}
+    except RuntimeError as e:  # noqa: BLE001 - reported
+        return {"raised": type(e).__name__, "message": str(e).splitlines()[0][:300]}
+    r = {"raised": None, "data_ptr": t.data_ptr()}
+    del t
+    return r
+
+
 def out_of_memory(backend) -> dict:
-    """A request no GPU can serve must raise torch.OutOfMemoryError and leave the
-    allocator usable. Without the C++ wrapper a NULL would become a tensor at address 0:
-    that case runs in a child process (run.py --oom-probe), never here."""
+    """Requests the GPU cannot serve must raise torch.OutOfMemoryError and leave the
+    allocator usable: one no pool can ever hold (64 TiB), and one past what is left (60% of
+    the free memory while 60% is allocated: the pool's whole ladder runs, then gives up),
+    after which the same request, once the first is freed, must succeed (as PyTorch's
+    test_out_of_memory_retry). Without the C++ wrapper a NULL would become a tensor at
+    address 0: that case runs in a child process (run.py --oom-probe), never here."""
     if backend.name == "vrampool" and backend.hooks != "cpp":
         return {"skipped": "alloc function unchecked (no C++ wrapper): see --oom-probe", "ok": True}
-    r = {}
-    try:
-        t = torch.empty(1 << 46, dtype=torch.uint8, device="cuda")  # 64 TiB
-        r["raised"] = None
-        r["data_ptr"] = t.data_ptr()
-        del t
-    except torch.OutOfMemoryError as e:
-        r["raised"] = "torch.OutOfMemoryError"
-        r["message"] = str(e).splitlines()[0][:300]
-    except RuntimeError as e:  # noqa: BLE001 - reported
-        r["raised"] = type(e).__name__
-        r["message"] = str(e).splitlines()[0][:300]
+    cases = []
+    r = _try_alloc(1 << 46)  # 64 TiB
+    r["case"] = "64 TiB"
+    r["ok"] = r["raised"] == "torch.OutOfMemoryError"
+    cases.append(r)
+
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    size = int(free * 0.6)
+    first = torch.empty(size, dtype=torch.uint8, device="cuda")
+    r = _try_alloc(size)
+    r["case"] = f"60% of free ({size / 2**30:.1f} GiB) twice"
+    r["ok"] = r["raised"] == "torch.OutOfMemoryError"
+    del first
+    retry = _try_alloc(size)
+    r["retry_after_free"] = "ok" if retry["raised"] is None else f"{retry['raised']}: {retry.get('message')}"
+    r["ok"] = r["ok"] and retry["raised"] is None
+    cases.append(r)
+    torch.cuda.empty_cache()
+
     after = torch.ones(1 << 20, device="cuda")
-    r["usable_after"] = bool(after.sum().item() == (1 << 20))
-    r["ok"] = r["raised"] == "torch.OutOfMemoryError" and r["usable_after"]
-    return r
+    usable = bool(after.sum().item() == (1 << 20))
+    del after
+    return {"cases": cases, "usable_after": usable, "ok": usable and all(c["ok"] for c in cases)}
 
 
 def oom_probe() -> dict:
@@ -180,8 +235,9 @@ def tensor_pairs(n: int) -> dict:
 
 def wrapper_cost(backend, quick: bool) -> dict:
     """Malloc/free pairs from C++ threads, each on its own stream: straight into vrampool
-    ("direct"), through the C++ CUDAPluggableAllocator object ("pluggable": its
-    std::function, mutex and map, then the C++ hook) and through PyTorch's current
+    ("direct"), the same with one process-wide mutex taken per call as the wrapper takes
+    its own ("mutex": the lock's share), through the C++ CUDAPluggableAllocator object
+    ("pluggable": its std::function, mutex and map, then the C++ hook) and through PyTorch's current
     allocator as PyTorch's code calls it ("allocator": raw_alloc_with_stream/raw_delete;
     for vrampool the pluggable path plus a cudaGetDevice, for PyTorch its caching
     allocator). Needs the C++ extension."""
@@ -195,7 +251,7 @@ def wrapper_cost(backend, quick: bool) -> dict:
     ext.set_timing(False)
     rows = []
     try:
-        paths = ["direct", "pluggable", "allocator"] if backend.name == "vrampool" else ["allocator"]
+        paths = ["direct", "mutex", "pluggable", "allocator"] if backend.name == "vrampool" else ["allocator"]
         for window, size in ((1, 4096), (64, 65536)):
             for threads in (1, 4):
                 for path in paths:

@@ -1,6 +1,6 @@
 """The models run under each allocator, with random weights and inputs from fixed seeds:
-ResNet-50 inference at varied batch sizes and GPT-2 generating tokens, each from 4 threads
-on 4 CUDA streams, and a short GPT-2 training loop with AdamW.
+ResNet-50 inference at varied batch sizes, GPT-2 generating tokens and a short training
+loop of a 4-layer GPT-2 with AdamW, each from 4 threads on 4 CUDA streams.
 
 Every output a workload produces goes into ``outputs`` (name -> CPU tensor) for the
 comparison between allocators. Weights are made on the CPU from the seed, so both
@@ -167,36 +167,53 @@ def gpt2_train(cfg, outputs: dict) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     dev = cfg.device
-    conf = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8192, n_positions=256)
+    # No dropout: its masks come from the device's one default generator, which threads
+    # would draw from in whatever order they run. Eager attention: SDPA's memory-efficient
+    # backward has no deterministic kernel under warn_only, and its atomics would make
+    # the allocators' results differ by rounding. Backward passes run on autograd's
+    # device thread, on the stream of each forward op: the pool sees allocations from
+    # that thread on the 4 streams and their frees from the workers.
+    conf = GPT2Config(
+        n_layer=4, n_embd=256, n_head=4, vocab_size=8192, n_positions=256,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager",
+        bos_token_id=8191, eos_token_id=8191,
+    )
     torch.manual_seed(cfg.seed + 2)
-    model = GPT2LMHeadModel(conf).to(dev).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    g = torch.Generator(device=dev)
-    g.manual_seed(cfg.seed + 3)
-    torch.manual_seed(cfg.seed + 4)  # dropout: the device's default generator, reseeded
+    base = GPT2LMHeadModel(conf)
+    threads = cfg.threads
+    copies = [copy.deepcopy(base) for _ in range(threads)]
+    del base
     steps = 8 if cfg.quick else 30
     warmup = 2
     batch, seq = 16, 128
-    losses = []
-    start = None
-    for step in range(steps):
-        if step == warmup:
-            synchronize(dev)
-            start = time.perf_counter()
-        ids = torch.randint(0, conf.vocab_size, (batch, seq), device=dev, generator=g)
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(out.loss.detach())
-    synchronize(dev)
-    wall = time.perf_counter() - start
-    outputs["gpt2_train/losses"] = torch.stack(losses).float().cpu()
-    for name, p in model.named_parameters():
-        outputs[f"gpt2_train/param/{name}"] = p.detach().float().cpu()
-    del model, opt
-    return {"throughput": batch * seq * (steps - warmup) / wall, "unit": "tok/s",
-            "wall_s": wall, "detail": f"4 layers, batch {batch}x{seq}, {steps} AdamW steps"}
+
+    def body(t, stream, barrier):
+        model = copies[t].to(dev).train()
+        copies[t] = None
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        g = torch.Generator(device=dev)
+        g.manual_seed(cfg.seed * 1000 + 200 + t)
+        losses = []
+        for step in range(steps):
+            if step == warmup:
+                stream.synchronize()
+                barrier.wait()
+            ids = torch.randint(0, conf.vocab_size, (batch, seq), device=dev, generator=g)
+            out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(out.loss.detach())
+        outputs[f"gpt2_train/t{t}/losses"] = torch.stack(losses).float().cpu()
+        for name, p in model.named_parameters():
+            outputs[f"gpt2_train/t{t}/param/{name}"] = p.detach().float().cpu()
+        stream.synchronize()
+        del model, opt
+        return batch * seq * (steps - warmup)
+
+    wall, tokens = run_threads(threads, body, dev)
+    return {"throughput": sum(tokens) / wall, "unit": "tok/s", "wall_s": wall,
+            "detail": f"{threads} threads, 4 layers, batch {batch}x{seq}, {steps} AdamW steps"}
 
 
 WORKLOADS = {
@@ -205,11 +222,17 @@ WORKLOADS = {
     "gpt2_train": gpt2_train,
 }
 
-# How outputs are compared (see compare() in run.py): bit-exact is expected where every
-# kernel is deterministic (cuDNN deterministic, cuBLAS with CUBLAS_WORKSPACE_CONFIG, no
-# atomics); otherwise they must agree within (rtol, atol). Generated tokens must be equal.
+# How outputs are compared (see compare() in run.py): bit for bit is expected, since every
+# kernel here is deterministic (cuDNN deterministic with its heuristics' choice, cuBLAS
+# with a fixed CUBLAS_WORKSPACE_CONFIG, no atomics, eager attention in training) and each
+# thread's work depends on nothing another thread does; the run lists the ops that warned
+# they are not. Where bits differ, floating outputs must agree within (rtol, atol), sized
+# for one kernel choice against another (fp16: a few ulps of logits near 100; fp32:
+# reduction order over 768 to 50257 terms; training: 30 AdamW steps, whose updates near a
+# zero gradient amplify rounding, hence the looser absolute bound). Integer outputs (the
+# generated tokens) must be equal.
 TOLERANCE = {
-    "resnet50": (1e-3, 1e-3),  # fp16 logits
+    "resnet50": (1e-2, 1e-1),  # fp16 logits, |y| up to ~100 (ulp 0.06)
     "gpt2_generate": (1e-4, 1e-4),
-    "gpt2_train": (1e-4, 1e-5),
+    "gpt2_train": (1e-3, 1e-3),
 }

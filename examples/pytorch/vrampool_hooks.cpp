@@ -7,17 +7,27 @@
 //    `vrampool_hooks_free`, exported so that Python's CUDAPluggableAllocator can dlsym them
 //    from this module's .so). PyTorch does not check the alloc function's result
 //    (CUDAPluggableAllocator::malloc stores it in its map and returns it), so a NULL from
-//    vrampool_malloc would become a tensor at address 0. The wrapper throws
-//    c10::OutOfMemoryError instead, with vrampool_last_error's message; PyTorch turns it
-//    into torch.OutOfMemoryError. A NULL for size 0 is vrampool's empty block, not an error.
+//    vrampool_malloc would become a tensor at address 0. The wrapper throws instead:
+//    c10::OutOfMemoryError (torch.OutOfMemoryError in Python, which PyTorch's own code,
+//    cuDNN's plan search for one, catches and recovers from) when vrampool was out of
+//    memory or the request can never fit, with a message that starts as PyTorch's caching
+//    allocator's does ("CUDA out of memory. Tried to allocate ..."), and c10::Error
+//    (RuntimeError) for any other refusal (a stream being captured into a CUDA graph, a
+//    driver error). A NULL for size 0 is vrampool's empty block, not an error.
 // 2. The hooks on the C++ allocator object: set_record_stream_fn (Tensor.record_stream ->
 //    vrampool_record_stream) and set_reset_fn (torch.cuda.empty_cache ->
-//    vrampool_empty_cache). A failure of either throws, so Python sees it.
+//    vrampool_empty_cache). A failed empty_cache throws, so Python sees it; a
+//    record_stream of a pointer vrampool does not own is skipped as PyTorch's own
+//    allocator skips storages it did not allocate (counted here, and by vrampool as
+//    abi_failed_record_streams, which run.py fails on); any other failure throws.
 // 3. Counters of what PyTorch asked for, and the time spent inside vrampool's malloc and
-//    free (a tick counter read around each call; off unless asked for).
+//    free (a tick counter read around each call; off unless asked for). Each thread has
+//    its own slot, written only by it: no read-modify-write on the allocation path.
 // 4. A measurement of the pluggable wrapper's own cost: the same malloc/free pairs from N
-//    threads straight into vrampool and through PyTorch's current allocator (for the
-//    pluggable one: its std::function, its mutex and its pointer -> metadata map per call).
+//    threads straight into vrampool, with one process-wide mutex around each call (the
+//    wrapper's lock alone), through the C++ CUDAPluggableAllocator object (its
+//    std::function, its mutex and its pointer -> metadata map per call) and through
+//    PyTorch's current allocator as PyTorch's code calls it.
 //
 // vrampool's six C functions are found with dlopen/dlsym on the library Python already
 // loaded (same path, so the same handle and the same pools): nothing is linked at build time,
@@ -29,8 +39,10 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -54,6 +66,13 @@ using RecordStreamFn = int (*)(void*, void*);
 using EmptyCacheFn = int (*)();
 using StatsJsonFn = size_t (*)(int, char*, size_t);
 using LastErrorFn = const char* (*)();
+using LastErrorCodeFn = int (*)();
+
+// vrampool_status values (include/vrampool.h) this file tells apart.
+constexpr int kInvalidFree = 2;
+constexpr int kOutOfMemory = 4;
+constexpr int kTooLarge = 5;
+constexpr int kStreamCapturing = 9;
 
 // The library's entry points; written once by bind() before any allocation, read after.
 struct Library {
@@ -65,43 +84,77 @@ struct Library {
   EmptyCacheFn empty_cache = nullptr;
   StatsJsonFn stats_json = nullptr;
   LastErrorFn last_error = nullptr;
+  LastErrorCodeFn last_error_code = nullptr;  // beyond PyTorch's six; optional
 };
 Library lib;
 
-std::string last_error_or(const char* fallback) {
+// This thread's last error, read at once: the next call into the library replaces it.
+struct Failure {
+  int code;  // a vrampool_status; kOutOfMemory where the library cannot say
+  std::string message;
+};
+
+Failure last_failure(const char* fallback) {
+  // The code first: vrampool_last_error clears both.
+  const int code = lib.last_error_code ? lib.last_error_code() : kOutOfMemory;
   const char* m = lib.last_error ? lib.last_error() : nullptr;
-  return m ? std::string(m) : std::string(fallback);
+  return {code, m ? std::string(m) : std::string(fallback)};
+}
+
+std::string last_error_or(const char* fallback) {
+  return last_failure(fallback).message;
+}
+
+// As c10's CUDACachingAllocator formats sizes in its messages.
+std::string format_size(uint64_t size) {
+  char buf[64];
+  if (size <= 1024) {
+    std::snprintf(buf, sizeof buf, "%llu bytes", static_cast<unsigned long long>(size));
+  } else if (size <= 1048576) {
+    std::snprintf(buf, sizeof buf, "%.2f KiB", static_cast<double>(size) / 1024.0);
+  } else if (size <= 1073741824ULL) {
+    std::snprintf(buf, sizeof buf, "%.2f MiB", static_cast<double>(size) / 1048576.0);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(size) / 1073741824.0);
+  }
+  return buf;
 }
 
 // ---- counters: one slot per thread, summed when read --------------------------------------
 
+// Written only by its thread (relaxed loads and stores, no read-modify-write), read by
+// counters(); never freed, so a reader may walk the list while threads come and go.
 struct alignas(64) Slot {
   std::atomic<uint64_t> mallocs{0};
   std::atomic<uint64_t> failed_mallocs{0};
   std::atomic<uint64_t> frees{0};
   std::atomic<uint64_t> malloc_ticks{0};
   std::atomic<uint64_t> free_ticks{0};
+  Slot* next = nullptr;
 };
-constexpr int kSlots = 256;
-Slot slots[kSlots];
-std::atomic<int> next_slot{0};
+std::atomic<Slot*> slots{nullptr};
 thread_local Slot* my_slot = nullptr;
 
 std::atomic<uint64_t> record_streams{0};
+std::atomic<uint64_t> record_streams_skipped{0};
 std::atomic<uint64_t> empty_caches{0};
 std::atomic<bool> timing{false};
 
-inline Slot& slot() {
+Slot& slot() {
   if (my_slot == nullptr) {
-    my_slot = &slots[next_slot.fetch_add(1, std::memory_order_relaxed) % kSlots];
+    auto* s = new Slot();
+    s->next = slots.load(std::memory_order_relaxed);
+    while (!slots.compare_exchange_weak(
+        s->next, s, std::memory_order_release, std::memory_order_relaxed)) {
+    }
+    my_slot = s;
   }
   return *my_slot;
 }
 
-// Only this thread writes its slot (more than kSlots threads share, and stay exact since the
-// adds are atomic): a relaxed add costs no contention.
+// Only this thread writes its slot: a relaxed load and store, which costs no bus lock.
 inline void add(std::atomic<uint64_t>& c, uint64_t v) {
-  c.fetch_add(v, std::memory_order_relaxed);
+  c.store(c.load(std::memory_order_relaxed) + v, std::memory_order_relaxed);
 }
 
 inline uint64_t ticks() {
@@ -142,6 +195,52 @@ void require_bound() {
   TORCH_CHECK(lib.malloc != nullptr, "vrampool_hooks: bind(path) was not called");
 }
 
+// Throw what PyTorch's own allocator would for this refusal: out of memory (also for a
+// request no pool can ever serve) as c10::OutOfMemoryError, anything else as c10::Error.
+[[noreturn]] void throw_refused(ssize_t size, int device, const Failure& f) {
+  if (f.code == kOutOfMemory || f.code == kTooLarge) {
+    const auto bytes = static_cast<uint64_t>(size);
+    if (bytes >= (1ULL << 60)) {
+      TORCH_CHECK_WITH(
+          OutOfMemoryError,
+          false,
+          "CUDA out of memory. Tried to allocate more than 1EB memory. vrampool: ",
+          f.message);
+    }
+    std::string capacity = "";
+    try {
+      // The allocator object's own query (cudaMemGetInfo under a device guard).
+      auto info = c10::cuda::CUDACachingAllocator::get()->getMemoryInfo(
+          static_cast<c10::DeviceIndex>(device));
+      capacity = " has a total capacity of " + format_size(info.second) + " of which " +
+          format_size(info.first) + " is free";
+    } catch (const std::exception&) {
+      // No device to ask (the simulator): the message goes without the figures.
+    }
+    TORCH_CHECK_WITH(
+        OutOfMemoryError,
+        false,
+        "CUDA out of memory. Tried to allocate ",
+        format_size(bytes),
+        ". GPU ",
+        device,
+        capacity,
+        ". vrampool: ",
+        f.message);
+  }
+  TORCH_CHECK(
+      false,
+      "vrampool could not allocate ",
+      size,
+      " bytes on CUDA device ",
+      device,
+      f.code == kStreamCapturing
+          ? " (CUDA graph capture: CUDAPluggableAllocator gives vrampool no graph pools)"
+          : "",
+      ": ",
+      f.message);
+}
+
 }  // namespace
 
 // ---- the functions PyTorch calls ----------------------------------------------------------
@@ -158,17 +257,8 @@ VH_EXPORT void* vrampool_hooks_malloc(ssize_t size, int device, void* stream) {
   add(s.mallocs, 1);
   if (p == nullptr && size != 0) {
     add(s.failed_mallocs, 1);
-    // Read the message now: it is this thread's, and the next call would clear it.
-    std::string why = last_error_or("no message");
-    TORCH_CHECK_WITH(
-        OutOfMemoryError,
-        false,
-        "vrampool could not allocate ",
-        size,
-        " bytes on CUDA device ",
-        device,
-        ": ",
-        why);
+    // Read the error now: it is this thread's, and the next call would replace it.
+    throw_refused(size, device, last_failure("no message"));
   }
   return p;
 }
@@ -214,6 +304,8 @@ void bind(const std::string& path) {
   lib.empty_cache = symbol<EmptyCacheFn>(h, "vrampool_empty_cache");
   lib.stats_json = symbol<StatsJsonFn>(h, "vrampool_stats_json");
   lib.last_error = symbol<LastErrorFn>(h, "vrampool_last_error");
+  lib.last_error_code =
+      reinterpret_cast<LastErrorCodeFn>(dlsym(h, "vrampool_last_error_code"));
   lib.malloc = symbol<MallocFn>(h, "vrampool_malloc");
   lib.handle = h;
 }
@@ -233,16 +325,23 @@ void record_stream_hook(void* ptr, cudaStream_t stream) {
   if (ptr == nullptr) {
     return;  // an empty tensor's storage: nothing to record, as PyTorch's own allocator
   }
-  add(record_streams, 1);
+  record_streams.fetch_add(1, std::memory_order_relaxed);
   int rc = lib.record_stream(ptr, stream);
-  if (rc != 0) {
-    std::string why = last_error_or("no message");
-    TORCH_CHECK(false, "vrampool_record_stream failed (status ", rc, "): ", why);
+  if (rc == 0) {
+    return;
   }
+  std::string why = last_error_or("no message");
+  if (rc == kInvalidFree) {
+    // Not a block of vrampool's (a storage from another allocator, from IPC or from_blob):
+    // PyTorch's caching allocator skips those (its recordStream checks the deleter).
+    record_streams_skipped.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  TORCH_CHECK(false, "vrampool_record_stream failed (status ", rc, "): ", why);
 }
 
 void empty_cache_hook() {
-  add(empty_caches, 1);
+  empty_caches.fetch_add(1, std::memory_order_relaxed);
   int rc = lib.empty_cache();
   if (rc != 0) {
     std::string why = last_error_or("no message");
@@ -266,12 +365,12 @@ std::string set_hooks(bool record_stream, bool empty_cache) {
 
 py::dict counters() {
   uint64_t mallocs = 0, failed = 0, frees = 0, mt = 0, ft = 0;
-  for (auto& s : slots) {
-    mallocs += s.mallocs.load(std::memory_order_relaxed);
-    failed += s.failed_mallocs.load(std::memory_order_relaxed);
-    frees += s.frees.load(std::memory_order_relaxed);
-    mt += s.malloc_ticks.load(std::memory_order_relaxed);
-    ft += s.free_ticks.load(std::memory_order_relaxed);
+  for (Slot* s = slots.load(std::memory_order_acquire); s != nullptr; s = s->next) {
+    mallocs += s->mallocs.load(std::memory_order_relaxed);
+    failed += s->failed_mallocs.load(std::memory_order_relaxed);
+    frees += s->frees.load(std::memory_order_relaxed);
+    mt += s->malloc_ticks.load(std::memory_order_relaxed);
+    ft += s->free_ticks.load(std::memory_order_relaxed);
   }
   const double per_ns = ticks_per_ns();
   py::dict d;
@@ -281,28 +380,19 @@ py::dict counters() {
   d["malloc_ns"] = static_cast<double>(mt) / per_ns;
   d["free_ns"] = static_cast<double>(ft) / per_ns;
   d["record_streams"] = record_streams.load();
+  d["record_streams_skipped"] = record_streams_skipped.load();
   d["empty_caches"] = empty_caches.load();
   d["timing"] = timing.load();
   return d;
-}
-
-void reset_counters() {
-  for (auto& s : slots) {
-    s.mallocs = 0;
-    s.failed_mallocs = 0;
-    s.frees = 0;
-    s.malloc_ticks = 0;
-    s.free_ticks = 0;
-  }
-  record_streams = 0;
-  empty_caches = 0;
 }
 
 // ---- the wrapper's cost -------------------------------------------------------------------
 
 // `threads` threads, thread i on streams[i % n], each `rounds` times: `window` allocations
 // of `size` bytes, then their frees in order. path "direct": vrampool_malloc/vrampool_free
-// through their pointers; "pluggable": the C++ CUDAPluggableAllocator object's malloc and
+// through their pointers; "mutex": the same with one process-wide std::mutex held around
+// each call, as the wrapper holds its allocator_mutex_ once per malloc and once per free
+// (the lock's cost alone, contention included); "pluggable": the C++ CUDAPluggableAllocator object's malloc and
 // raw_delete (its std::function, mutex and map around vrampool_hooks_malloc, no CUDA call);
 // "allocator": c10::cuda::CUDACachingAllocator::raw_alloc_with_stream and raw_delete, i.e.
 // PyTorch's current allocator as PyTorch's own code calls it (the pluggable one, or
@@ -316,15 +406,17 @@ py::dict bench_pairs(
     const std::vector<uint64_t>& streams,
     int64_t threads,
     int device) {
-  enum class Path { Direct, Pluggable, Allocator };
+  enum class Path { Direct, Mutex, Pluggable, Allocator };
   TORCH_CHECK(
-      path == "direct" || path == "pluggable" || path == "allocator",
-      "path is 'direct', 'pluggable' or 'allocator'");
+      path == "direct" || path == "mutex" || path == "pluggable" || path == "allocator",
+      "path is 'direct', 'mutex', 'pluggable' or 'allocator'");
   TORCH_CHECK(size > 0 && rounds > 0 && window > 0 && threads > 0, "bad bench arguments");
   TORCH_CHECK(!streams.empty(), "no streams");
   const Path which = path == "direct" ? Path::Direct
+      : path == "mutex"               ? Path::Mutex
       : path == "pluggable"           ? Path::Pluggable
                                       : Path::Allocator;
+  std::mutex lock;  // the "mutex" path's, shared by its threads as the wrapper's is
   torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator* plug = nullptr;
   if (which != Path::Allocator) {
     require_bound();
@@ -337,6 +429,15 @@ py::dict bench_pairs(
     switch (which) {
       case Path::Direct: {
         void* p = lib.malloc(size, device, stream);
+        TORCH_CHECK(p != nullptr, "vrampool_malloc: ", last_error_or("NULL"));
+        return p;
+      }
+      case Path::Mutex: {
+        void* p = nullptr;
+        {
+          const std::lock_guard<std::mutex> held(lock);
+          p = lib.malloc(size, device, stream);
+        }
         TORCH_CHECK(p != nullptr, "vrampool_malloc: ", last_error_or("NULL"));
         return p;
       }
@@ -353,6 +454,11 @@ py::dict bench_pairs(
       case Path::Direct:
         lib.free(p, size, device, stream);
         return;
+      case Path::Mutex: {
+        const std::lock_guard<std::mutex> held(lock);
+        lib.free(p, size, device, stream);
+        return;
+      }
       case Path::Pluggable:
         plug->raw_delete(p);
         return;
@@ -452,7 +558,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("empty_cache") = true,
       "install or remove the record_stream and empty_cache hooks on the current pluggable allocator");
   m.def("counters", &counters, "what PyTorch asked of vrampool through this module");
-  m.def("reset_counters", &reset_counters);
   m.def("set_timing", [](bool on) { timing.store(on); }, "time each vrampool malloc/free");
   m.def(
       "bench_pairs",
@@ -484,6 +589,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("ptr"),
       py::arg("size"),
       py::arg("device"),
+      py::arg("stream"));
+  m.def(
+      "record_stream_through_hook",
+      [](uint64_t ptr, uint64_t stream) {
+        record_stream_hook(reinterpret_cast<void*>(ptr), reinterpret_cast<cudaStream_t>(stream));
+      },
+      py::arg("ptr"),
       py::arg("stream"));
   // The C++ allocator object's own malloc and raw_delete (PyTorch's wrapper: std::function,
   // mutex, map), which make no CUDA call: the alloc path through libtorch_cuda, checkable
