@@ -1,6 +1,6 @@
 //! PyTorch on vrampool, on a real GPU: `examples/pytorch/run.py --quick` against the
-//! `libvrampool.so` cargo built beside this test. The script runs ResNet-50 inference and
-//! GPT-2 generation from 4 threads on 4 CUDA streams and a GPT-2 training loop, once under
+//! `libvrampool.so` cargo built beside this test. The script runs ResNet-50 inference,
+//! GPT-2 generation and a GPT-2 training loop, each from 4 threads on 4 CUDA streams, once under
 //! PyTorch's caching allocator and once under vrampool (installed through
 //! `CUDAPluggableAllocator`, with the C++ hooks for `record_stream`, `empty_cache` and
 //! out-of-memory), compares the outputs, and runs the side-stream `record_stream` test; it
@@ -124,9 +124,15 @@ fn pytorch_models_match_the_reference_allocator_under_vrampool() {
     assert!(status.success(), "run.py failed ({status}); its files are in {}", out.display());
     assert!(stdout.contains("RESULT: PASS"), "run.py did not report a pass");
     let summary = std::fs::read_to_string(out.join("summary.md")).expect("run.py writes summary.md");
+    for case in ["default stream", "4 threads, own streams"] {
+        assert!(
+            summary.contains(&format!("| record_stream: hook on, {case} | vrampool | clean")),
+            "the side-stream record_stream test under vrampool with the hook ({case}) must be clean:\n{summary}"
+        );
+    }
     assert!(
-        summary.contains("| record_stream: hook on | vrampool | clean"),
-        "the side-stream record_stream test under vrampool with the hook must be clean:\n{summary}"
+        summary.contains("| out of memory: 64 TiB | vrampool | raised torch.OutOfMemoryError"),
+        "out of memory under vrampool must be a Python exception:\n{summary}"
     );
     for workload in ["resnet50", "gpt2_generate", "gpt2_train"] {
         assert!(summary.contains(&format!("| {workload} | vrampool |")), "no {workload} row under vrampool");

@@ -8,7 +8,7 @@ each run's junit XML and the plugin's own record), and every test that fails onl
 vrampool, with its message and a first guess at why.
 
     python3 examples/pytorch/run_test_cuda.py TESTS_DIR --lib target/release/libvrampool.so
-        [--workers 8] [--timeout 90] [--budget 225] [-k EXPR] [--out DIR]
+        [--workers 8] [--timeout 90] [--budget 210] [-k EXPR] [--out DIR]
 
 TESTS_DIR holds test_cuda.py (and whatever test-folder modules it imports) from PyTorch's
 repository at the commit of the installed torch (torch.version.git_version), and pylib/
@@ -364,8 +364,8 @@ def main() -> int:
                    help="the C++ extension's build folder")
     p.add_argument("--workers", type=int, default=8, help="xdist workers for the tests not marked serial")
     p.add_argument("--timeout", type=float, default=90.0, help="seconds a test may take before its worker is ended")
-    p.add_argument("--budget", type=float, default=225.0, help="seconds for each allocator's run (both phases)")
-    p.add_argument("--serial-budget", type=float, default=45.0, help="seconds of --budget kept for the serial tests")
+    p.add_argument("--budget", type=float, default=210.0, help="seconds for each allocator's run (both phases)")
+    p.add_argument("--serial-budget", type=float, default=40.0, help="seconds of --budget kept for the serial tests")
     p.add_argument("-k", help="pytest's -k expression: a subset")
     p.add_argument("--out", help="folder for the results (default: a new one under /tmp)")
     p.add_argument("--prepare-from", metavar="MIRROR_GIT_DIR",
