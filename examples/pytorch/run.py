@@ -267,10 +267,10 @@ def compare(a: dict, b: dict, nondeterministic=()) -> dict:
             r["ok"] = False
             close = torch.allclose(x, y, rtol=rtol, atol=atol, equal_nan=True)
             r["problems"].append(f"{key}: not bit-exact though no op warned of nondeterminism "
-                                 f"(max |diff| {d:.3g}, {'within' if close else 'beyond'} rtol {rtol} atol {atol})")
+                                 f"(max abs diff {d:.3g}, {'within' if close else 'beyond'} rtol {rtol} atol {atol})")
         elif not torch.allclose(x, y, rtol=rtol, atol=atol, equal_nan=True):
             r["ok"] = False
-            r["problems"].append(f"{key}: max |diff| {d:.3g} beyond rtol {rtol} atol {atol}")
+            r["problems"].append(f"{key}: max abs diff {d:.3g} beyond rtol {rtol} atol {atol}")
     return per
 
 

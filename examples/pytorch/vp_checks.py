@@ -97,9 +97,9 @@ def record_stream(backend) -> dict:
             before = backend.ext.counters()["record_streams"] if counted else None
             try:
                 if threads == 1:
-                    runs = [side_stream_reuse(call, busy_ms=100.0, per_ms=per_ms)]
+                    runs = [side_stream_reuse(call, busy_ms=200.0, per_ms=per_ms)]
                 else:
-                    runs = side_stream_reuse_threads(threads, call, busy_ms=100.0, per_ms=per_ms)
+                    runs = side_stream_reuse_threads(threads, call, busy_ms=200.0, per_ms=per_ms)
             finally:
                 if switchable:
                     backend.set_record_stream_hook(True)
