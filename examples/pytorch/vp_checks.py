@@ -1,0 +1,270 @@
+"""What the allocator must get right beyond the models, checked in the same process:
+record_stream, empty_cache, out-of-memory, the statistics PyTorch asks of the allocator,
+and what a malloc/free pair costs through PyTorch's wrapper and around it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def cycles_per_ms() -> float:
+    """torch.cuda._sleep's clock ticks per millisecond on this GPU."""
+    torch.cuda._sleep(1_000_000)  # warm up the kernel
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(20_000_000)
+    end.record()
+    end.synchronize()
+    return 20_000_000 / start.elapsed_time(end)
+
+
+def side_stream_reuse(record: bool, busy_ms: float, per_ms: float, mib: int = 64) -> dict:
+    """A tensor x written on the main stream and read on a side stream that is still busy
+    (a sleep kernel) when x is freed on the main stream; then a tensor of the same size is
+    allocated on the main stream and written with another pattern. The side stream's copy
+    of x must read the first pattern. `record` calls x.record_stream(side) first, which is
+    what tells the allocator that the side stream still uses x."""
+    n = mib * 2**20 // 4
+    main = torch.cuda.current_stream()
+    # High priority: from another pool of PyTorch's streams than the threads' own, so the
+    # side stream is never the main stream itself (which would make the test show nothing).
+    side = torch.cuda.Stream(priority=-1)
+    x = torch.full((n,), 1.0, device="cuda")
+    y = torch.empty(n, device="cuda")
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(int(busy_ms * per_ms))
+        y.copy_(x)
+    if record:
+        x.record_stream(side)
+    old = x.data_ptr()
+    del x  # freed on the main stream while the side stream still has to read it
+    z = torch.empty(n, device="cuda")
+    z.fill_(2.0)  # main stream: runs at once, during the side stream's sleep
+    reused = z.data_ptr() == old
+    busy_when_freed = not side.query()
+    side.synchronize()
+    torch.cuda.synchronize()
+    wrong = int((y != 1.0).sum().item())
+    saw_second = bool((y == 2.0).any().item())
+    del y, z
+    return {
+        "record_stream_called": record,
+        "side_busy_at_free": busy_when_freed,
+        "same_address_reused": reused,
+        "corrupted_elements": wrong,
+        "saw_second_pattern": saw_second,
+    }
+
+
+def side_stream_reuse_threads(threads: int, record: bool, busy_ms: float, per_ms: float) -> list:
+    """side_stream_reuse on `threads` threads at once, each with its own main stream (and
+    its own side stream): the frees, reuses and record_stream calls of 4 streams overlap."""
+    from vp_workloads import run_threads
+
+    def body(t, stream, barrier):
+        barrier.wait()
+        return side_stream_reuse(record, busy_ms, per_ms)
+
+    _, results = run_threads(threads, body)
+    return results
+
+
+def record_stream(backend) -> dict:
+    """The side-stream test with the hook on (must be clean) and, where the hook can be
+    removed, with it off (shows what a record_stream that never reaches the pool does);
+    each on the main thread's default stream and on 4 threads with their own streams."""
+    per_ms = cycles_per_ms()
+    cases = []
+    if backend.name == "pytorch":
+        cases.append(("record_stream", True, True))
+        cases.append(("no record_stream", False, False))
+    elif backend.hooks in ("cpp", "ctypes"):
+        cases.append(("hook on", True, True))
+        cases.append(("hook off", True, False))
+    else:
+        cases.append(("no hook (public wrapper)", True, False))
+    switchable = backend.name == "vrampool" and backend.hooks in ("cpp", "ctypes")
+    counted = backend.name == "vrampool" and backend.hooks == "cpp"
+    out = []
+    for label, call, hook in cases:
+        for threads in (1, 4):
+            if switchable:
+                backend.set_record_stream_hook(hook)
+            before = backend.ext.counters()["record_streams"] if counted else None
+            try:
+                if threads == 1:
+                    runs = [side_stream_reuse(call, busy_ms=200.0, per_ms=per_ms)]
+                else:
+                    runs = side_stream_reuse_threads(threads, call, busy_ms=200.0, per_ms=per_ms)
+            finally:
+                if switchable:
+                    backend.set_record_stream_hook(True)
+            r = {
+                "case": label,
+                "threads": threads,
+                "record_stream_called": call,
+                "corrupted_elements": sum(x["corrupted_elements"] for x in runs),
+                "saw_second_pattern": any(x["saw_second_pattern"] for x in runs),
+                "same_address_reused": sum(x["same_address_reused"] for x in runs),
+                "side_busy_at_free": sum(x["side_busy_at_free"] for x in runs),
+                "runs": len(runs),
+            }
+            if before is not None:
+                r["reached_pool"] = backend.ext.counters()["record_streams"] - before
+            r["must_be_clean"] = hook
+            # Clean is required with the hook; a side stream that had finished before the
+            # free would make the test show nothing, so it must have been busy.
+            r["ok"] = (r["corrupted_elements"] == 0 and r["side_busy_at_free"] == len(runs)) if hook else True
+            out.append(r)
+    return {"cases": out, "ok": all(c["ok"] for c in out), "cycles_per_ms": per_ms}
+
+
+def empty_cache(backend) -> dict:
+    """Free 1 GiB, then torch.cuda.empty_cache(): the allocator's reserved bytes before
+    and after, and whether the call reached vrampool."""
+    t = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    t.fill_(1)
+    del t
+    torch.cuda.synchronize()
+    reached0 = backend.empty_cache_reached()
+    before = backend.reserved()
+    torch.cuda.empty_cache()
+    after = backend.reserved()
+    reached = None if reached0 is None else backend.empty_cache_reached() - reached0 > 0
+    r = {"reserved_before": before, "reserved_after": after, "released": before - after,
+         "reached_pool": reached}
+    if backend.name == "pytorch" or backend.hooks == "cpp":
+        # With a hook that counts, the call must arrive; what the pool gives back is shown.
+        r["ok"] = reached is not False and after <= before
+    elif backend.hooks == "ctypes":
+        r["ok"] = after <= before
+    else:
+        r["ok"] = True  # nothing reaches the pool: shown, not required
+    return r
+
+
+def _try_alloc(nbytes: int) -> dict:
+    """torch.empty of nbytes: whether it raised, what and with which message."""
+    try:
+        t = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    except torch.OutOfMemoryError as e:
+        return {"raised": "torch.OutOfMemoryError", "message": str(e).splitlines()[0][:300]}
+    except RuntimeError as e:  # noqa: BLE001 - reported
+        return {"raised": type(e).__name__, "message": str(e).splitlines()[0][:300]}
+    r = {"raised": None, "data_ptr": t.data_ptr()}
+    del t
+    return r
+
+
+def out_of_memory(backend) -> dict:
+    """Requests the GPU cannot serve must raise torch.OutOfMemoryError and leave the
+    allocator usable: one no pool can ever hold (64 TiB), and one past what is left (60% of
+    the free memory while 60% is allocated: the pool's whole ladder runs, then gives up),
+    after which the same request, once the first is freed, must succeed (as PyTorch's
+    test_out_of_memory_retry). Without the C++ wrapper a NULL would become a tensor at
+    address 0: that case runs in a child process (run.py --oom-probe), never here."""
+    if backend.name == "vrampool" and backend.hooks != "cpp":
+        return {"skipped": "alloc function unchecked (no C++ wrapper): see --oom-probe", "ok": True}
+    cases = []
+    r = _try_alloc(1 << 46)  # 64 TiB
+    r["case"] = "64 TiB"
+    r["ok"] = r["raised"] == "torch.OutOfMemoryError"
+    cases.append(r)
+
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    size = int(free * 0.6)
+    first = torch.empty(size, dtype=torch.uint8, device="cuda")
+    r = _try_alloc(size)
+    r["case"] = f"60% of free ({size / 2**30:.1f} GiB) twice"
+    r["ok"] = r["raised"] == "torch.OutOfMemoryError"
+    del first
+    retry = _try_alloc(size)
+    r["retry_after_free"] = "ok" if retry["raised"] is None else f"{retry['raised']}: {retry.get('message')}"
+    r["ok"] = r["ok"] and retry["raised"] is None
+    cases.append(r)
+    torch.cuda.empty_cache()
+
+    after = torch.ones(1 << 20, device="cuda")
+    usable = bool(after.sum().item() == (1 << 20))
+    del after
+    return {"cases": cases, "usable_after": usable, "ok": usable and all(c["ok"] for c in cases)}
+
+
+def oom_probe() -> dict:
+    """Run in a child with the public wrapper only: what a NULL from the alloc function
+    becomes (the tensor is never touched)."""
+    t = torch.empty(1 << 46, dtype=torch.uint8, device="cuda")
+    return {"data_ptr": t.data_ptr(), "numel": t.numel()}
+
+
+def pytorch_stats_calls() -> dict:
+    """What PyTorch's statistics functions do under this allocator."""
+    out = {}
+    calls = {
+        "torch.cuda.memory_stats": torch.cuda.memory_stats,
+        "torch.cuda.max_memory_reserved": torch.cuda.max_memory_reserved,
+        "torch.cuda.memory_allocated": torch.cuda.memory_allocated,
+        "torch.cuda.mem_get_info": torch.cuda.mem_get_info,
+    }
+    for name, f in calls.items():
+        try:
+            v = f()
+            out[name] = "ok" if isinstance(v, dict) else f"ok: {v}"
+        except Exception as e:  # noqa: BLE001 - reported
+            out[name] = f"raises {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    return out
+
+
+def tensor_pairs(n: int) -> dict:
+    """torch.empty(1 KiB) and its free, n times on the main thread: the whole per-tensor
+    path (dispatcher, allocator, storage), in microseconds per pair."""
+    for _ in range(1000):
+        torch.empty(256, device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        torch.empty(256, device="cuda")
+    dt = time.perf_counter() - t0
+    return {"pairs": n, "us_per_pair": dt / n * 1e6}
+
+
+def wrapper_cost(backend, quick: bool) -> dict:
+    """Malloc/free pairs from C++ threads, each on its own stream: straight into vrampool
+    ("direct"), the same with one process-wide mutex taken per call as the wrapper takes
+    its own ("mutex": the lock's share), through the C++ CUDAPluggableAllocator object
+    ("pluggable": its std::function, mutex and map, then the C++ hook) and through PyTorch's current
+    allocator as PyTorch's code calls it ("allocator": raw_alloc_with_stream/raw_delete;
+    for vrampool the pluggable path plus a cudaGetDevice, for PyTorch its caching
+    allocator). Needs the C++ extension."""
+    ext = backend.ext
+    if ext is None:
+        return {"skipped": "needs the C++ extension (--hooks cpp)"}
+    streams = [torch.cuda.Stream() for _ in range(4)]
+    handles = [s.cuda_stream for s in streams]
+    rounds = 50_000 if quick else 200_000
+    timing = ext.counters()["timing"]
+    ext.set_timing(False)
+    rows = []
+    try:
+        paths = ["direct", "mutex", "pluggable", "allocator"] if backend.name == "vrampool" else ["allocator"]
+        for window, size in ((1, 4096), (64, 65536)):
+            for threads in (1, 4):
+                for path in paths:
+                    r_rounds = max(1, rounds // window)
+                    ext.bench_pairs(path, size, max(1, r_rounds // 10), window, handles, threads)
+                    r = ext.bench_pairs(path, size, r_rounds, window, handles, threads)
+                    per = r["ns_per_pair_per_thread"]
+                    rows.append({
+                        "path": path, "threads": threads, "window": window, "size": size,
+                        "ns_per_pair": sum(per) / len(per),
+                        "ns_per_pair_aggregate": r["ns_per_pair_aggregate"],
+                    })
+    finally:
+        ext.set_timing(timing)
+    torch.cuda.synchronize()
+    return {"rows": rows}

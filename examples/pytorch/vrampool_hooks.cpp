@@ -1,0 +1,620 @@
+// What Python's CUDAPluggableAllocator wrapper does not reach, for vrampool under PyTorch.
+//
+// Built on the GPU machine by run.py (torch.utils.cpp_extension.load, ninja, a build folder
+// under /tmp). It owns four things:
+//
+// 1. The alloc and free functions PyTorch calls (`vrampool_hooks_malloc`,
+//    `vrampool_hooks_free`, exported so that Python's CUDAPluggableAllocator can dlsym them
+//    from this module's .so). PyTorch does not check the alloc function's result
+//    (CUDAPluggableAllocator::malloc stores it in its map and returns it), so a NULL from
+//    vrampool_malloc would become a tensor at address 0. The wrapper throws instead:
+//    c10::OutOfMemoryError (torch.OutOfMemoryError in Python, which PyTorch's own code,
+//    cuDNN's plan search for one, catches and recovers from) when vrampool was out of
+//    memory or the request can never fit, with a message that starts as PyTorch's caching
+//    allocator's does ("CUDA out of memory. Tried to allocate ..."), and c10::Error
+//    (RuntimeError) for any other refusal (a stream being captured into a CUDA graph, a
+//    driver error). A NULL for size 0 is vrampool's empty block, not an error.
+// 2. The hooks on the C++ allocator object: set_record_stream_fn (Tensor.record_stream ->
+//    vrampool_record_stream) and set_reset_fn (torch.cuda.empty_cache ->
+//    vrampool_empty_cache). A failed empty_cache throws, so Python sees it; a
+//    record_stream of a pointer vrampool does not own is skipped as PyTorch's own
+//    allocator skips storages it did not allocate (counted here, and by vrampool as
+//    abi_failed_record_streams, which run.py fails on); any other failure throws.
+// 3. Counters of what PyTorch asked for, and the time spent inside vrampool's malloc and
+//    free (a tick counter read around each call; off unless asked for). Each thread has
+//    its own slot, written only by it: no read-modify-write on the allocation path.
+// 4. A measurement of the pluggable wrapper's own cost: the same malloc/free pairs from N
+//    threads straight into vrampool, with one process-wide mutex around each call (the
+//    wrapper's lock alone), through the C++ CUDAPluggableAllocator object (its
+//    std::function, its mutex and its pointer -> metadata map per call) and through
+//    PyTorch's current allocator as PyTorch's code calls it.
+//
+// vrampool's six C functions are found with dlopen/dlsym on the library Python already
+// loaded (same path, so the same handle and the same pools): nothing is linked at build time,
+// and one build serves every copy of the library.
+
+#include <dlfcn.h>
+#include <sys/types.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <x86intrin.h>
+#endif
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+#include <torch/extension.h>
+
+#define VH_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+using MallocFn = void* (*)(ssize_t, int, void*);
+using FreeFn = void (*)(void*, ssize_t, int, void*);
+using RecordStreamFn = int (*)(void*, void*);
+using EmptyCacheFn = int (*)();
+using StatsJsonFn = size_t (*)(int, char*, size_t);
+using LastErrorFn = const char* (*)();
+using LastErrorCodeFn = int (*)();
+
+// vrampool_status values (include/vrampool.h) this file tells apart.
+constexpr int kInvalidFree = 2;
+constexpr int kOutOfMemory = 4;
+constexpr int kTooLarge = 5;
+constexpr int kStreamCapturing = 9;
+
+// The library's entry points; written once by bind() before any allocation, read after.
+struct Library {
+  void* handle = nullptr;
+  std::string path;
+  MallocFn malloc = nullptr;
+  FreeFn free = nullptr;
+  RecordStreamFn record_stream = nullptr;
+  EmptyCacheFn empty_cache = nullptr;
+  StatsJsonFn stats_json = nullptr;
+  LastErrorFn last_error = nullptr;
+  LastErrorCodeFn last_error_code = nullptr;  // beyond PyTorch's six; optional
+};
+Library lib;
+
+// This thread's last error, read at once: the next call into the library replaces it.
+struct Failure {
+  int code;  // a vrampool_status; kOutOfMemory where the library cannot say
+  std::string message;
+};
+
+Failure last_failure(const char* fallback) {
+  // The code first: vrampool_last_error clears both.
+  const int code = lib.last_error_code ? lib.last_error_code() : kOutOfMemory;
+  const char* m = lib.last_error ? lib.last_error() : nullptr;
+  return {code, m ? std::string(m) : std::string(fallback)};
+}
+
+std::string last_error_or(const char* fallback) {
+  return last_failure(fallback).message;
+}
+
+// As c10's CUDACachingAllocator formats sizes in its messages.
+std::string format_size(uint64_t size) {
+  char buf[64];
+  if (size <= 1024) {
+    std::snprintf(buf, sizeof buf, "%llu bytes", static_cast<unsigned long long>(size));
+  } else if (size <= 1048576) {
+    std::snprintf(buf, sizeof buf, "%.2f KiB", static_cast<double>(size) / 1024.0);
+  } else if (size <= 1073741824ULL) {
+    std::snprintf(buf, sizeof buf, "%.2f MiB", static_cast<double>(size) / 1048576.0);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(size) / 1073741824.0);
+  }
+  return buf;
+}
+
+// ---- counters: one slot per thread, summed when read --------------------------------------
+
+// Written only by its thread (relaxed loads and stores, no read-modify-write), read by
+// counters(); never freed, so a reader may walk the list while threads come and go.
+struct alignas(64) Slot {
+  std::atomic<uint64_t> mallocs{0};
+  std::atomic<uint64_t> failed_mallocs{0};
+  std::atomic<uint64_t> frees{0};
+  std::atomic<uint64_t> malloc_ticks{0};
+  std::atomic<uint64_t> free_ticks{0};
+  Slot* next = nullptr;
+};
+std::atomic<Slot*> slots{nullptr};
+thread_local Slot* my_slot = nullptr;
+
+std::atomic<uint64_t> record_streams{0};
+std::atomic<uint64_t> record_streams_skipped{0};
+std::atomic<uint64_t> empty_caches{0};
+std::atomic<bool> timing{false};
+
+Slot& slot() {
+  if (my_slot == nullptr) {
+    auto* s = new Slot();
+    s->next = slots.load(std::memory_order_relaxed);
+    while (!slots.compare_exchange_weak(
+        s->next, s, std::memory_order_release, std::memory_order_relaxed)) {
+    }
+    my_slot = s;
+  }
+  return *my_slot;
+}
+
+// Only this thread writes its slot: a relaxed load and store, which costs no bus lock.
+inline void add(std::atomic<uint64_t>& c, uint64_t v) {
+  c.store(c.load(std::memory_order_relaxed) + v, std::memory_order_relaxed);
+}
+
+inline uint64_t ticks() {
+#if defined(__x86_64__)
+  return __rdtsc();
+#else
+  return static_cast<uint64_t>(
+      std::chrono::steady_clock::now().time_since_epoch().count());
+#endif
+}
+
+// Ticks per nanosecond, measured against steady_clock over the life of the module.
+struct Calibration {
+  uint64_t tick0;
+  std::chrono::steady_clock::time_point t0;
+};
+Calibration calibration{ticks(), std::chrono::steady_clock::now()};
+
+double ticks_per_ns() {
+#if defined(__x86_64__)
+  auto t1 = std::chrono::steady_clock::now();
+  uint64_t k1 = ticks();
+  double ns = std::chrono::duration<double, std::nano>(t1 - calibration.t0).count();
+  if (ns < 1e6) {  // under 1 ms since load: wait a little for a usable ratio
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    t1 = std::chrono::steady_clock::now();
+    k1 = ticks();
+    ns = std::chrono::duration<double, std::nano>(t1 - calibration.t0).count();
+  }
+  return static_cast<double>(k1 - calibration.tick0) / ns;
+#else
+  using period = std::chrono::steady_clock::period;
+  return static_cast<double>(period::den) / (1e9 * period::num);
+#endif
+}
+
+void require_bound() {
+  TORCH_CHECK(lib.malloc != nullptr, "vrampool_hooks: bind(path) was not called");
+}
+
+// Throw what PyTorch's own allocator would for this refusal: out of memory (also for a
+// request no pool can ever serve) as c10::OutOfMemoryError, anything else as c10::Error.
+[[noreturn]] void throw_refused(ssize_t size, int device, const Failure& f) {
+  if (f.code == kOutOfMemory || f.code == kTooLarge) {
+    const auto bytes = static_cast<uint64_t>(size);
+    if (bytes >= (1ULL << 60)) {
+      TORCH_CHECK_WITH(
+          OutOfMemoryError,
+          false,
+          "CUDA out of memory. Tried to allocate more than 1EB memory. vrampool: ",
+          f.message);
+    }
+    std::string capacity = "";
+    try {
+      // The allocator object's own query (cudaMemGetInfo under a device guard).
+      auto info = c10::cuda::CUDACachingAllocator::get()->getMemoryInfo(
+          static_cast<c10::DeviceIndex>(device));
+      capacity = " has a total capacity of " + format_size(info.second) + " of which " +
+          format_size(info.first) + " is free";
+    } catch (const std::exception&) {
+      // No device to ask (the simulator): the message goes without the figures.
+    }
+    TORCH_CHECK_WITH(
+        OutOfMemoryError,
+        false,
+        "CUDA out of memory. Tried to allocate ",
+        format_size(bytes),
+        ". GPU ",
+        device,
+        capacity,
+        ". vrampool: ",
+        f.message);
+  }
+  TORCH_CHECK(
+      false,
+      "vrampool could not allocate ",
+      size,
+      " bytes on CUDA device ",
+      device,
+      f.code == kStreamCapturing
+          ? " (CUDA graph capture: CUDAPluggableAllocator gives vrampool no graph pools)"
+          : "",
+      ": ",
+      f.message);
+}
+
+}  // namespace
+
+// ---- the functions PyTorch calls ----------------------------------------------------------
+
+VH_EXPORT void* vrampool_hooks_malloc(ssize_t size, int device, void* stream) {
+  require_bound();
+  Slot& s = slot();
+  const bool timed = timing.load(std::memory_order_relaxed);
+  const uint64_t t0 = timed ? ticks() : 0;
+  void* p = lib.malloc(size, device, stream);
+  if (timed) {
+    add(s.malloc_ticks, ticks() - t0);
+  }
+  add(s.mallocs, 1);
+  if (p == nullptr && size != 0) {
+    add(s.failed_mallocs, 1);
+    // Read the error now: it is this thread's, and the next call would replace it.
+    throw_refused(size, device, last_failure("no message"));
+  }
+  return p;
+}
+
+VH_EXPORT void vrampool_hooks_free(void* ptr, ssize_t size, int device, void* stream) {
+  // Called from deleters: nothing may throw here. A refused free is counted by vrampool
+  // (abi_* in its statistics), which run.py checks.
+  if (lib.free == nullptr) {
+    return;
+  }
+  Slot& s = slot();
+  const bool timed = timing.load(std::memory_order_relaxed);
+  const uint64_t t0 = timed ? ticks() : 0;
+  lib.free(ptr, size, device, stream);
+  if (timed) {
+    add(s.free_ticks, ticks() - t0);
+  }
+  add(s.frees, 1);
+}
+
+namespace {
+
+// ---- binding and the hooks on the C++ allocator object ------------------------------------
+
+template <typename F>
+F symbol(void* handle, const char* name) {
+  void* f = dlsym(handle, name);
+  TORCH_CHECK(f != nullptr, "vrampool_hooks: ", lib.path, " has no symbol ", name);
+  return reinterpret_cast<F>(f);
+}
+
+void bind(const std::string& path) {
+  if (lib.handle != nullptr) {
+    TORCH_CHECK(path == lib.path, "vrampool_hooks: already bound to ", lib.path);
+    return;
+  }
+  // The same path as Python's ctypes.CDLL: dlopen hands back the loaded library.
+  void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
+  TORCH_CHECK(h != nullptr, "vrampool_hooks: dlopen(", path, "): ", dlerror());
+  lib.path = path;
+  lib.free = symbol<FreeFn>(h, "vrampool_free");
+  lib.record_stream = symbol<RecordStreamFn>(h, "vrampool_record_stream");
+  lib.empty_cache = symbol<EmptyCacheFn>(h, "vrampool_empty_cache");
+  lib.stats_json = symbol<StatsJsonFn>(h, "vrampool_stats_json");
+  lib.last_error = symbol<LastErrorFn>(h, "vrampool_last_error");
+  lib.last_error_code =
+      reinterpret_cast<LastErrorCodeFn>(dlsym(h, "vrampool_last_error_code"));
+  lib.malloc = symbol<MallocFn>(h, "vrampool_malloc");
+  lib.handle = h;
+}
+
+torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator& pluggable() {
+  auto* current = c10::cuda::CUDACachingAllocator::get();
+  auto* p = dynamic_cast<torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator*>(current);
+  TORCH_CHECK(
+      p != nullptr,
+      "vrampool_hooks: the current CUDA allocator is '",
+      current ? current->name() : std::string("none"),
+      "', not a CUDAPluggableAllocator: call change_current_allocator first");
+  return *p;
+}
+
+void record_stream_hook(void* ptr, cudaStream_t stream) {
+  if (ptr == nullptr) {
+    return;  // an empty tensor's storage: nothing to record, as PyTorch's own allocator
+  }
+  record_streams.fetch_add(1, std::memory_order_relaxed);
+  int rc = lib.record_stream(ptr, stream);
+  if (rc == 0) {
+    return;
+  }
+  std::string why = last_error_or("no message");
+  if (rc == kInvalidFree) {
+    // Not a block of vrampool's (a storage from another allocator, from IPC or from_blob):
+    // PyTorch's caching allocator skips those (its recordStream checks the deleter).
+    record_streams_skipped.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  TORCH_CHECK(false, "vrampool_record_stream failed (status ", rc, "): ", why);
+}
+
+void empty_cache_hook() {
+  empty_caches.fetch_add(1, std::memory_order_relaxed);
+  int rc = lib.empty_cache();
+  if (rc != 0) {
+    std::string why = last_error_or("no message");
+    TORCH_CHECK(false, "vrampool_empty_cache failed (status ", rc, "): ", why);
+  }
+}
+
+// Install (true) or remove (false) each hook; an empty std::function is PyTorch's "unset"
+// (recordStream and emptyCache test it before calling). Call with no other thread inside
+// the allocator: the std::function is not guarded.
+std::string set_hooks(bool record_stream, bool empty_cache) {
+  require_bound();
+  auto& a = pluggable();
+  a.set_record_stream_fn(
+      record_stream ? std::function<void(void*, cudaStream_t)>(record_stream_hook)
+                    : std::function<void(void*, cudaStream_t)>());
+  a.set_reset_fn(
+      empty_cache ? std::function<void()>(empty_cache_hook) : std::function<void()>());
+  return a.name();
+}
+
+py::dict counters() {
+  uint64_t mallocs = 0, failed = 0, frees = 0, mt = 0, ft = 0;
+  for (Slot* s = slots.load(std::memory_order_acquire); s != nullptr; s = s->next) {
+    mallocs += s->mallocs.load(std::memory_order_relaxed);
+    failed += s->failed_mallocs.load(std::memory_order_relaxed);
+    frees += s->frees.load(std::memory_order_relaxed);
+    mt += s->malloc_ticks.load(std::memory_order_relaxed);
+    ft += s->free_ticks.load(std::memory_order_relaxed);
+  }
+  const double per_ns = ticks_per_ns();
+  py::dict d;
+  d["mallocs"] = mallocs;
+  d["failed_mallocs"] = failed;
+  d["frees"] = frees;
+  d["malloc_ns"] = static_cast<double>(mt) / per_ns;
+  d["free_ns"] = static_cast<double>(ft) / per_ns;
+  d["record_streams"] = record_streams.load();
+  d["record_streams_skipped"] = record_streams_skipped.load();
+  d["empty_caches"] = empty_caches.load();
+  d["timing"] = timing.load();
+  return d;
+}
+
+// ---- the wrapper's cost -------------------------------------------------------------------
+
+// `threads` threads, thread i on streams[i % n], each `rounds` times: `window` allocations
+// of `size` bytes, then their frees in order. path "direct": vrampool_malloc/vrampool_free
+// through their pointers; "mutex": the same with one process-wide std::mutex held around
+// each call, as the wrapper holds its allocator_mutex_ once per malloc and once per free
+// (the lock's cost alone, contention included); "pluggable": the C++ CUDAPluggableAllocator object's malloc and
+// raw_delete (its std::function, mutex and map around vrampool_hooks_malloc, no CUDA call);
+// "allocator": c10::cuda::CUDACachingAllocator::raw_alloc_with_stream and raw_delete, i.e.
+// PyTorch's current allocator as PyTorch's own code calls it (the pluggable one, or
+// PyTorch's caching allocator). Returns wall time and nanoseconds per pair, overall and
+// per thread. Runs without the GIL.
+py::dict bench_pairs(
+    const std::string& path,
+    int64_t size,
+    int64_t rounds,
+    int64_t window,
+    const std::vector<uint64_t>& streams,
+    int64_t threads,
+    int device) {
+  enum class Path { Direct, Mutex, Pluggable, Allocator };
+  TORCH_CHECK(
+      path == "direct" || path == "mutex" || path == "pluggable" || path == "allocator",
+      "path is 'direct', 'mutex', 'pluggable' or 'allocator'");
+  TORCH_CHECK(size > 0 && rounds > 0 && window > 0 && threads > 0, "bad bench arguments");
+  TORCH_CHECK(!streams.empty(), "no streams");
+  const Path which = path == "direct" ? Path::Direct
+      : path == "mutex"               ? Path::Mutex
+      : path == "pluggable"           ? Path::Pluggable
+                                      : Path::Allocator;
+  std::mutex lock;  // the "mutex" path's, shared by its threads as the wrapper's is
+  torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator* plug = nullptr;
+  if (which != Path::Allocator) {
+    require_bound();
+  }
+  if (which == Path::Pluggable) {
+    plug = &pluggable();
+  }
+  const auto dev = static_cast<c10::DeviceIndex>(device);
+  auto alloc_one = [&](void* stream) -> void* {
+    switch (which) {
+      case Path::Direct: {
+        void* p = lib.malloc(size, device, stream);
+        TORCH_CHECK(p != nullptr, "vrampool_malloc: ", last_error_or("NULL"));
+        return p;
+      }
+      case Path::Mutex: {
+        void* p = nullptr;
+        {
+          const std::lock_guard<std::mutex> held(lock);
+          p = lib.malloc(size, device, stream);
+        }
+        TORCH_CHECK(p != nullptr, "vrampool_malloc: ", last_error_or("NULL"));
+        return p;
+      }
+      case Path::Pluggable:
+        return plug->malloc(static_cast<size_t>(size), dev, static_cast<cudaStream_t>(stream));
+      case Path::Allocator:
+        break;
+    }
+    return c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(
+        static_cast<size_t>(size), static_cast<cudaStream_t>(stream));
+  };
+  auto free_one = [&](void* p, void* stream) {
+    switch (which) {
+      case Path::Direct:
+        lib.free(p, size, device, stream);
+        return;
+      case Path::Mutex: {
+        const std::lock_guard<std::mutex> held(lock);
+        lib.free(p, size, device, stream);
+        return;
+      }
+      case Path::Pluggable:
+        plug->raw_delete(p);
+        return;
+      case Path::Allocator:
+        break;
+    }
+    c10::cuda::CUDACachingAllocator::raw_delete(p);
+  };
+  std::vector<double> per_thread_ns(threads, 0.0);
+  std::vector<std::string> errors(threads);
+  std::atomic<int> ready{0};
+  std::atomic<bool> go{false};
+  std::chrono::steady_clock::time_point start, end;
+  {
+    py::gil_scoped_release no_gil;
+    std::vector<std::thread> pool;
+    for (int64_t t = 0; t < threads; ++t) {
+      pool.emplace_back([&, t] {
+        auto* stream = reinterpret_cast<void*>(streams[t % streams.size()]);
+        std::vector<void*> live(window, nullptr);
+        bool counted = false;
+        try {
+          // cudaSetDevice even when device 0 looks current: it makes the primary context
+          // current on this new thread, as PyTorch's threads have it.
+          if (c10::cuda::device_count() > 0) {
+            c10::cuda::set_device(static_cast<c10::DeviceIndex>(device), /*force=*/true);
+          }
+          ready.fetch_add(1);
+          counted = true;
+          while (!go.load(std::memory_order_acquire)) {
+            std::this_thread::yield();
+          }
+          auto t0 = std::chrono::steady_clock::now();
+          for (int64_t r = 0; r < rounds; ++r) {
+            for (int64_t i = 0; i < window; ++i) {
+              live[i] = alloc_one(stream);
+            }
+            for (int64_t i = 0; i < window; ++i) {
+              free_one(live[i], stream);
+              live[i] = nullptr;
+            }
+          }
+          auto t1 = std::chrono::steady_clock::now();
+          per_thread_ns[t] = std::chrono::duration<double, std::nano>(t1 - t0).count() /
+              static_cast<double>(rounds * window);
+        } catch (const std::exception& e) {
+          errors[t] = e.what();
+          for (void* p : live) {
+            if (p == nullptr) {
+              continue;
+            }
+            try {
+              free_one(p, stream);
+            } catch (const std::exception&) {
+              // The first error is the one reported.
+            }
+          }
+          if (!counted) {
+            ready.fetch_add(1);
+          }
+        }
+      });
+    }
+    while (ready.load() < threads) {
+      std::this_thread::yield();
+    }
+    start = std::chrono::steady_clock::now();
+    go.store(true, std::memory_order_release);
+    for (auto& th : pool) {
+      th.join();
+    }
+    end = std::chrono::steady_clock::now();
+  }
+  for (const auto& e : errors) {
+    TORCH_CHECK(e.empty(), "bench_pairs: ", e);
+  }
+  const double wall = std::chrono::duration<double, std::nano>(end - start).count();
+  py::dict d;
+  d["wall_ns"] = wall;
+  d["pairs"] = rounds * window * threads;
+  // Aggregate: wall time over all pairs of all threads (throughput view);
+  // per thread: each thread's own time per pair (latency view, contention included).
+  d["ns_per_pair_aggregate"] = wall / static_cast<double>(rounds * window * threads);
+  d["ns_per_pair_per_thread"] = per_thread_ns;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "vrampool's hooks into PyTorch's CUDAPluggableAllocator";
+  m.def("bind", &bind, "dlopen libvrampool.so (the path Python loaded) and find its functions");
+  m.def(
+      "set_hooks",
+      &set_hooks,
+      py::arg("record_stream") = true,
+      py::arg("empty_cache") = true,
+      "install or remove the record_stream and empty_cache hooks on the current pluggable allocator");
+  m.def("counters", &counters, "what PyTorch asked of vrampool through this module");
+  m.def("set_timing", [](bool on) { timing.store(on); }, "time each vrampool malloc/free");
+  m.def(
+      "bench_pairs",
+      &bench_pairs,
+      py::arg("path"),
+      py::arg("size"),
+      py::arg("rounds"),
+      py::arg("window"),
+      py::arg("streams"),
+      py::arg("threads"),
+      py::arg("device") = 0);
+  // The alloc and free functions as PyTorch calls them, for checks without PyTorch's
+  // allocator in between (a NULL for a size > 0 raises torch.OutOfMemoryError).
+  m.def(
+      "malloc_through_hooks",
+      [](int64_t size, int device, uint64_t stream) {
+        return reinterpret_cast<uint64_t>(
+            vrampool_hooks_malloc(size, device, reinterpret_cast<void*>(stream)));
+      },
+      py::arg("size"),
+      py::arg("device"),
+      py::arg("stream"));
+  m.def(
+      "free_through_hooks",
+      [](uint64_t ptr, int64_t size, int device, uint64_t stream) {
+        vrampool_hooks_free(
+            reinterpret_cast<void*>(ptr), size, device, reinterpret_cast<void*>(stream));
+      },
+      py::arg("ptr"),
+      py::arg("size"),
+      py::arg("device"),
+      py::arg("stream"));
+  m.def(
+      "record_stream_through_hook",
+      [](uint64_t ptr, uint64_t stream) {
+        record_stream_hook(reinterpret_cast<void*>(ptr), reinterpret_cast<cudaStream_t>(stream));
+      },
+      py::arg("ptr"),
+      py::arg("stream"));
+  // The C++ allocator object's own malloc and raw_delete (PyTorch's wrapper: std::function,
+  // mutex, map), which make no CUDA call: the alloc path through libtorch_cuda, checkable
+  // on a machine without a GPU (VRAMPOOL_DEVICE=sim).
+  m.def(
+      "pluggable_malloc",
+      [](int64_t size, int device, uint64_t stream) {
+        return reinterpret_cast<uint64_t>(pluggable().malloc(
+            static_cast<size_t>(size),
+            static_cast<c10::DeviceIndex>(device),
+            reinterpret_cast<cudaStream_t>(stream)));
+      },
+      py::arg("size"),
+      py::arg("device"),
+      py::arg("stream"));
+  m.def(
+      "pluggable_free",
+      [](uint64_t ptr) { pluggable().raw_delete(reinterpret_cast<void*>(ptr)); },
+      py::arg("ptr"));
+  m.attr("MALLOC_SYMBOL") = "vrampool_hooks_malloc";
+  m.attr("FREE_SYMBOL") = "vrampool_hooks_free";
+}
