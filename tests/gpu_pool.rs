@@ -431,7 +431,9 @@ fn many_threads_each_with_a_stream() {
     println!("mismatched words per thread: {bads:?}");
     assert!(bads.iter().all(|&n| n == 0), "some blocks did not hold their pattern: {bads:?}");
     let st = trim_to_empty(&pool);
-    assert!(st.events_recorded > 0 && st.batches_retired > 0, "{st:?}");
+    // Frees on a block's own stream are fenced by events; batches carry only blocks used on
+    // several streams, which this test has none of.
+    assert!(st.events_recorded > 0, "{st:?}");
     summary("many_threads_each_with_a_stream", THREADS * ITERS, &st, took);
     drop(kernels);
 }

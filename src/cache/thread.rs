@@ -365,6 +365,10 @@ pub struct CacheShared {
     /// Counters (see [`CacheCounters`]).
     pub counters: CacheCounters,
     steal: AtomicBool,
+    /// Set by the owner at the end of every operation, cleared by [`CacheShared::idle`]:
+    /// a cache found unset made no operation since the last look (second chance, as a
+    /// clock's reference bit).
+    touched: AtomicBool,
     /// Whether the owning thread has let go of the cache (flushed or exited).
     retired: AtomicBool,
     mags: UnsafeCell<Mags>,
@@ -390,6 +394,7 @@ impl CacheShared {
         CacheShared {
             in_use: AtomicBool::new(false),
             steal: AtomicBool::new(false),
+            touched: AtomicBool::new(false),
             mags: UnsafeCell::new(Mags::new(classes)),
             retired: AtomicBool::new(false),
             counters: CacheCounters::default(),
@@ -413,7 +418,22 @@ impl CacheShared {
     /// Leave an operation: Release publishes the magazines to a later thief.
     #[inline]
     pub fn exit(&self) {
+        // Relaxed: a hint for thieves, on the line the owner has just written anyway.
+        self.touched.store(true, Ordering::Relaxed);
         self.in_use.store(false, Ordering::Release);
+    }
+
+    /// Whether the owner made no operation since the previous call (or ever): a thread
+    /// that sits idle, whose blocks the pool may take back without slowing it down. Each
+    /// call clears the mark, so a working thread's cache is passed over, and a cache is
+    /// taken only after a whole interval between two looks without use. A hint: a race
+    /// with the owner only makes a steal that the handshake still makes safe.
+    pub fn idle(&self) -> bool {
+        if self.touched.load(Ordering::Relaxed) {
+            self.touched.store(false, Ordering::Relaxed);
+            return false;
+        }
+        true
     }
 
     /// The whole allocation hit path for a caller's fast path: enter, take a block of the
