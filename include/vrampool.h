@@ -89,6 +89,19 @@ void vrampool_free(void *ptr, ssize_t size, int device, void *stream);
 // As `vrampool_malloc` for `stream`.
 int vrampool_record_stream(void *ptr, void *stream);
 
+// Say that `stream` is about to be destroyed: call this before `cuStreamDestroy` on a
+// stream vrampool has seen (any stream passed to `vrampool_malloc`, `vrampool_free` or
+// `vrampool_record_stream`). vrampool records its last event on it and never touches the
+// handle again; blocks still live on it stay valid (free them with the same handle value
+// as before). Without this call vrampool may use the handle later (to fence frees and to
+// check for graph capture), which on a destroyed stream is undefined behaviour in the
+// driver. Returns 0 (also for a stream vrampool never saw), or a `vrampool_status` with
+// the error set: `VRAMPOOL_ERROR_INVALID_ARGUMENT` for a default stream.
+//
+// # Safety
+// `stream` is still a live stream of device `device`'s primary context.
+int vrampool_stream_destroyed(int device, void *stream);
+
 // Give back what every pool holds and does not use: settle pending frees, close every
 // open batch, wait for pending events, unmap every wholly free page. Returns 0, or a
 // `vrampool_status` with the error set.

@@ -79,6 +79,8 @@ fn the_c_abi_on_cuda_streams() {
     touch(&dev, p, 65536, 0x5a, &s1);
     free(p, 65536, h);
     vrampool_empty_cache();
+    // SAFETY: s1 is still live.
+    assert_eq!(unsafe { vrampool_stream_destroyed(0, h as usize as *mut c_void) }, 0, "{:?}", last_error());
     dev.destroy_stream(&s1).unwrap();
     let s2 = dev.create_stream().unwrap();
     if s2.raw() == h {
@@ -139,8 +141,11 @@ fn the_c_abi_on_cuda_streams() {
     assert_eq!(stat("allocated_bytes"), 0);
     assert_eq!(stat("reserved_bytes"), 0);
     assert_eq!(stat("abi_internal_errors"), 0);
-    for s in &streams {
+    for s in streams.iter().chain([&s2]) {
+        // SAFETY: the stream is still live.
+        assert_eq!(unsafe { vrampool_stream_destroyed(0, s.raw() as usize as *mut c_void) }, 0, "{:?}", last_error());
         dev.destroy_stream(s).unwrap();
     }
-    dev.destroy_stream(&s2).unwrap();
+    // Nothing touches the destroyed handles: an empty_cache after them is safe.
+    assert_eq!(vrampool_empty_cache(), 0, "{:?}", last_error());
 }

@@ -38,6 +38,7 @@ fn the_committed_header_is_what_the_code_generates() {
         "void vrampool_free(void *ptr, ssize_t size, int device, void *stream);",
         "int vrampool_record_stream(void *ptr, void *stream);",
         "int vrampool_empty_cache(void);",
+        "int vrampool_stream_destroyed(int device, void *stream);",
         "size_t vrampool_stats_json(int device, char *buf, size_t len);",
         "const char *vrampool_last_error(void);",
         "#include <stddef.h>",

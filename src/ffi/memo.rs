@@ -94,7 +94,7 @@ impl Memo {
         self.dev.set(dev);
         self.table.set(dev.table.view());
         self.pool.set(dev.pool.as_ptr());
-        // The record lives for ever (the registry never forgets a stream).
+        // The record lives for ever (the registry keeps every stream's token).
         self.rec.set(rec);
         self.stream_id.set(rec.id);
         self.token.set(rec.token);
@@ -126,6 +126,14 @@ impl Memo {
         }
         self.owner_rec.set(owners.get(id));
         self.owner.set(id);
+    }
+
+    /// Stop naming a stream (its handle now names another): the next allocation takes the
+    /// slow path, which remembers afresh. The owner record and the free path stay.
+    pub(crate) fn forget(&self) {
+        self.device.set(NOT_NAMED);
+        self.alloc_device.set(NOT_NAMED);
+        self.cache.set(ptr::null());
     }
 
     /// Forget the owner record: no owner window may open after this.
@@ -187,6 +195,9 @@ fn cache_for(device: i64, key: u64, dev: &AbiDevice, rec: &StreamRec) -> *const 
     CACHES
         .try_with(|c| {
             let mut list = c.list.borrow_mut();
+            // A key names a new stream once the old one was declared destroyed (on the
+            // simulator the key is the handle's value): its cache goes with it.
+            list.retain(|e| !(e.0 == device && e.1 == key && e.2.stream().id() != rec.id));
             if let Some(e) = list.iter().find(|e| e.0 == device && e.1 == key) {
                 return &e.2 as *const StreamCache;
             }

@@ -117,6 +117,32 @@ pub unsafe extern "C" fn vrampool_record_stream(ptr: *mut c_void, stream: *mut c
     })
 }
 
+/// Say that `stream` is about to be destroyed: call this before `cuStreamDestroy` on a
+/// stream vrampool has seen (any stream passed to `vrampool_malloc`, `vrampool_free` or
+/// `vrampool_record_stream`). vrampool records its last event on it and never touches the
+/// handle again; blocks still live on it stay valid (free them with the same handle value
+/// as before). Without this call vrampool may use the handle later (to fence frees and to
+/// check for graph capture), which on a destroyed stream is undefined behaviour in the
+/// driver. Returns 0 (also for a stream vrampool never saw), or a `vrampool_status` with
+/// the error set: `VRAMPOOL_ERROR_INVALID_ARGUMENT` for a default stream.
+///
+/// # Safety
+/// `stream` is still a live stream of device `device`'s primary context.
+#[no_mangle]
+pub unsafe extern "C" fn vrampool_stream_destroyed(device: c_int, stream: *mut c_void) -> c_int {
+    guarded("vrampool_stream_destroyed", vrampool_status::VRAMPOOL_ERROR_INTERNAL as c_int, || {
+        let Ok(ordinal) = usize::try_from(device) else {
+            let e = Error::InvalidArgument(format!("device {device} is not an ordinal"));
+            return AbiError::from_error("vrampool_stream_destroyed", Counter::FailedCalls, &e).report();
+        };
+        // SAFETY: the caller promises a live stream of the device.
+        match unsafe { registry::stream_destroyed(ordinal, stream as u64) } {
+            Ok(()) => 0,
+            Err(e) => AbiError::from_error("vrampool_stream_destroyed", Counter::FailedCalls, &e).report(),
+        }
+    })
+}
+
 /// Give back what every pool holds and does not use: settle pending frees, close every
 /// open batch, wait for pending events, unmap every wholly free page. Returns 0, or a
 /// `vrampool_status` with the error set.
@@ -310,6 +336,13 @@ fn malloc_failed(dev: &AbiDevice, m: &memo::Memo, size: usize, e: Error) -> *mut
         Error::OutOfMemory(_) if foreign::pending() > 0 => {
             foreign::settle(true);
             dev.entry.pool.alloc(size, &rec.stream)
+        }
+        // The memo's stream was declared destroyed (`vrampool_stream_destroyed`) and its
+        // handle value is in use again: the slow path finds the new stream.
+        Error::StreamDestroyed => {
+            let raw = m.raw.get();
+            m.forget();
+            return malloc_slow(size, m.device.get() as c_int, raw);
         }
         e => Err(e),
     };

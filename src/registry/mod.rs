@@ -124,6 +124,33 @@ pub unsafe fn stream(device: usize, raw: u64) -> Result<Stream> {
     Ok(stream_rec(e, raw)?.stream.clone())
 }
 
+/// The caller is about to destroy the stream of raw handle `raw` on `device` (as for
+/// [`stream`]): the pool records its last event there and never calls on the handle
+/// again; blocks still live on it stay valid and are fenced by that event when freed. A
+/// later use of the same handle value names a new stream. The default streams (0, and on
+/// CUDA `CU_STREAM_LEGACY` and `CU_STREAM_PER_THREAD`) cannot be destroyed and are refused; a
+/// handle never given to the registry is not an error (there is nothing to forget).
+///
+/// # Safety
+/// As [`stream`]: `raw` is still live.
+pub unsafe fn stream_destroyed(device: usize, raw: u64) -> Result<()> {
+    let e = entry(device)?;
+    let special = match e.kind {
+        DeviceKind::Cuda => matches!(raw, 0 | streams::CU_STREAM_LEGACY | streams::CU_STREAM_PER_THREAD),
+        DeviceKind::Simulated => raw == 0,
+    };
+    if special {
+        return Err(Error::InvalidArgument(format!("stream {raw:#x} is a default stream: it is never destroyed")));
+    }
+    let key = stream_key(e, raw)?;
+    match e.streams.forget(key) {
+        // On a wrapped stream this runs the pool's hooks and marks the handle destroyed,
+        // without destroying the caller's stream.
+        Some(rec) => e.pool.device().destroy_stream(&rec.stream),
+        None => Ok(()),
+    }
+}
+
 /// Every pool made so far, with its device ordinal.
 pub fn pools() -> Vec<(usize, Pool)> {
     entries().map(|e| (e.ordinal, e.pool.clone())).collect()

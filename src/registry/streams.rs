@@ -95,6 +95,21 @@ impl Streams {
     }
 }
 
+impl Streams {
+    /// Take `key`'s stream out of the lookups and return it, so that the handle's value, if
+    /// the driver or the caller uses it again, names a new stream; its token stays, for the
+    /// blocks still live on it.
+    pub(crate) fn forget(&self, key: u64) -> Option<Arc<StreamRec>> {
+        let _one = self.add.lock().unwrap_or_else(|p| p.into_inner());
+        let snap = self.snap.load_full();
+        let rec = Arc::clone(snap.by_key.get(&key)?);
+        let mut next = Snapshot { by_key: snap.by_key.clone(), by_token: snap.by_token.clone() };
+        next.by_key.remove(&key);
+        self.snap.store(Arc::new(next));
+        Some(rec)
+    }
+}
+
 // The keys of CUDA handles (unused without the `cuda` feature but by the tests).
 /// CUDA's special stream handles.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]

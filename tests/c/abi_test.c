@@ -218,6 +218,31 @@ static struct handoff rings[THREADS];
 static pthread_barrier_t start, drained;
 static int thread_failures[THREADS];
 
+/* A stream declared destroyed: its live block stays valid and frees with the same handle;
+ * the handle's value then names a new stream; default streams are refused. */
+static void stream_destroyed(void) {
+    void *s = stream_of(99);
+    void *kept = vrampool_malloc(8192, 0, s);
+    void *p = vrampool_malloc(4096, 0, s);
+    CHECK(kept != NULL && p != NULL);
+    vrampool_free(p, 4096, 0, s);
+    CHECK(vrampool_stream_destroyed(0, s) == 0);
+    CHECK_NO_ERROR();
+    CHECK(vrampool_stream_destroyed(0, s) == 0); /* nothing left to forget */
+    void *q = vrampool_malloc(4096, 0, s);        /* a new stream behind the same value */
+    CHECK(q != NULL);
+    CHECK_NO_ERROR();
+    vrampool_free(q, 4096, 0, s);
+    vrampool_free(kept, 8192, 0, s);
+    CHECK_NO_ERROR();
+    CHECK(vrampool_stream_destroyed(0, NULL) != 0);
+    CHECK_ERROR(VRAMPOOL_ERROR_INVALID_ARGUMENT);
+    CHECK(vrampool_stream_destroyed(-1, s) != 0);
+    CHECK_ERROR(VRAMPOOL_ERROR_INVALID_ARGUMENT);
+    CHECK(vrampool_stream_destroyed(7, s) != 0);
+    CHECK_ERROR(VRAMPOOL_ERROR_NO_DEVICE);
+}
+
 static void *worker(void *arg) {
     int me = (int)(intptr_t)arg;
     struct handoff *mine = &rings[me], *next = &rings[(me + 1) % THREADS];
@@ -331,6 +356,7 @@ int main(int argc, char **argv) {
     free_inputs();
     stats_json_is_snprintf();
     record_stream_inputs();
+    stream_destroyed();
     threads();
     CHECK(stat(0, "allocated_bytes") == 0);
     CHECK(vrampool_empty_cache() == 0);
