@@ -190,6 +190,10 @@ impl Mapper for Pager<'_> {
     }
 }
 
+/// Walks a placement makes when its claim lands on a lent page that another thread's
+/// placement got to first.
+const CLAIM_TRIES: usize = 3;
+
 impl PoolInner {
     /// Whether `st` may take back the memory of the page at `from` (lent pages' memory,
     /// serving there now and free): every fence on it lets `st` reuse it at once.
@@ -297,27 +301,38 @@ impl PoolInner {
             });
             bad.map_or(Ok(()), Err)
         };
-        let got = if chunk { self.space.alloc_chunk(&mut accept) } else { self.space.alloc_large(size, &mut accept) };
-        let Some(addr) = got else { return Ok(None) };
         let limit = match mode.mapping {
             Mapping::Forbidden => 0,
             Mapping::WithinPeak => self.max_reserved.min(self.pages.peak_mapped_bytes()),
             Mapping::Allowed => self.max_reserved,
         };
         let lend = mode.mapping == Mapping::Allowed && self.config.trade_pages_on_map && self.device.can_alias();
-        let mut map = Pager { pool: self, st, limit, lend };
-        match self.pages.acquire(addr, size, mode.mapping != Mapping::Forbidden, &mut map) {
-            Ok(()) => {}
-            Err(why) => {
-                self.space.give_back(addr, size);
-                return match why {
-                    Acquire::NeedsMap | Acquire::Lent => Ok(None),
-                    // Over budget, or the device itself is out of memory: the next rung.
-                    Acquire::Failed(Error::OutOfMemory(_)) | Acquire::Failed(Error::Device { code: 2, .. }) => Ok(None),
-                    Acquire::Failed(e) => Err(e),
-                };
+        let mut tries = 0;
+        let addr = loop {
+            let got =
+                if chunk { self.space.alloc_chunk(&mut accept) } else { self.space.alloc_large(size, &mut accept) };
+            let Some(addr) = got else { return Ok(None) };
+            let mut map = Pager { pool: self, st, limit, lend };
+            match self.pages.acquire(addr, size, mode.mapping != Mapping::Forbidden, &mut map) {
+                Ok(()) => break addr,
+                Err(why) => {
+                    self.space.give_back(addr, size);
+                    match why {
+                        // A lent page the walk judged could come back could not (another
+                        // thread took its memory's page meanwhile): walk again, which now
+                        // passes over it, rather than fail the rung (the last one unmaps
+                        // every free page).
+                        Acquire::Lent if tries < CLAIM_TRIES => tries += 1,
+                        Acquire::NeedsMap | Acquire::Lent => return Ok(None),
+                        // Over budget, or the device itself is out of memory: the next rung.
+                        Acquire::Failed(Error::OutOfMemory(_)) | Acquire::Failed(Error::Device { code: 2, .. }) => {
+                            return Ok(None)
+                        }
+                        Acquire::Failed(e) => return Err(e),
+                    }
+                }
             }
-        }
+        };
         if !judge.waits.is_empty() && !judge.settle(st) {
             self.pages.release(addr, size);
             self.space.give_back(addr, size);
