@@ -44,7 +44,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use cudarc::driver::sys;
 use sys::CUresult;
 
-use super::{in_host_fn_error, Device, DeviceKind, Event, HostFn, MemInfo, Stream};
+use super::{implement, in_host_fn_error, Device, DeviceKind, Event, HostFn, MemInfo, Stream};
 use crate::error::{Error, Result};
 
 use super::{in_host_fn, set_in_host_fn};
@@ -291,8 +291,8 @@ impl CudaInner {
     }
 
     fn stream<'a>(&self, s: &'a Stream) -> Result<&'a CudaStream> {
-        let h =
-            s.backend::<CudaStream>().ok_or_else(|| Error::InvalidArgument("stream is not a CUDA stream".into()))?;
+        let h = implement::stream_backend::<CudaStream>(s)
+            .ok_or_else(|| Error::InvalidArgument("stream is not a CUDA stream".into()))?;
         // Compared by context, not by `CudaInner`: two `CudaDevice::new(n)` share one.
         if h.device.ctx != self.ctx {
             return Err(Error::InvalidArgument("stream belongs to another CUDA device".into()));
@@ -304,7 +304,8 @@ impl CudaInner {
     }
 
     fn event<'a>(&self, e: &'a Event) -> Result<&'a CudaEvent> {
-        let h = e.backend::<CudaEvent>().ok_or_else(|| Error::InvalidArgument("event is not a CUDA event".into()))?;
+        let h = implement::event_backend::<CudaEvent>(e)
+            .ok_or_else(|| Error::InvalidArgument("event is not a CUDA event".into()))?;
         if h.device.ctx != self.ctx {
             return Err(Error::InvalidArgument("event belongs to another CUDA device".into()));
         }
@@ -635,7 +636,7 @@ impl Device for CudaDevice {
             device: self.inner.clone(),
             cudarc: None,
         };
-        Ok(Stream::from_backend(raw as u64, Box::new(backend)))
+        Ok(implement::new_stream(raw as u64, Box::new(backend)))
     }
 
     unsafe fn wrap_stream(&self, raw: u64) -> Result<Stream> {
@@ -648,17 +649,17 @@ impl Device for CudaDevice {
             device: self.inner.clone(),
             cudarc: None,
         };
-        Ok(Stream::from_backend(raw as u64, Box::new(backend)))
+        Ok(implement::new_stream(raw as u64, Box::new(backend)))
     }
 
     fn destroy_stream(&self, stream: &Stream) -> Result<()> {
         self.inner.enter()?;
         let h = self.inner.stream(stream)?;
         // Before the stream goes: the pool records its final events here.
-        stream.run_destroy_hooks();
+        implement::run_destroy_hooks(stream);
         // Both flags are swapped so that a second destroy, or the drop of the last handle,
         // finds the stream gone; only the owner of a live owned stream calls the driver.
-        let first = stream.mark_destroyed();
+        let first = implement::mark_destroyed(stream);
         if first && h.owned && h.take_ownership() {
             // As documented for cuStreamDestroy: returns at once, queued work still runs.
             // SAFETY: the stream is ours, live, and no handle will name it to the driver again.
@@ -685,7 +686,7 @@ impl Device for CudaDevice {
         let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
         // SAFETY: writes a new event handle of the current (our) context.
         check("cuEventCreate", unsafe { sys::cuEventCreate(&mut raw, flags) })?;
-        Ok(Event::from_backend(Box::new(CudaEvent { raw: raw as usize, device: self.inner.clone() })))
+        Ok(implement::new_event(Box::new(CudaEvent { raw: raw as usize, device: self.inner.clone() })))
     }
 
     fn record_event(&self, event: &Event, stream: &Stream) -> Result<()> {

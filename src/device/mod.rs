@@ -21,6 +21,7 @@ use std::sync::{Arc, Mutex};
 use crate::error::{Error, Result};
 
 pub mod costs;
+pub mod implement;
 pub mod sim;
 pub use costs::SimCosts;
 pub use sim::{SimDevice, SimDeviceBuilder};
@@ -69,15 +70,13 @@ struct StreamInner {
     backend: Box<dyn Any + Send + Sync>,
 }
 
-/// A callback run just before a stream is destroyed, while it can still record work.
-pub type DestroyHook = Box<dyn FnOnce(&Stream) + Send>;
+use implement::DestroyHook;
 
 static NEXT_STREAM_ID: AtomicU64 = AtomicU64::new(1);
 
 impl Stream {
-    /// Make a handle for a device implementation. `backend` is whatever that implementation
-    /// needs to reach its stream; it is dropped (and may destroy the stream) with the last clone.
-    pub fn from_backend(raw: u64, backend: Box<dyn Any + Send + Sync>) -> Stream {
+    /// See [`implement::new_stream`].
+    pub(crate) fn from_backend(raw: u64, backend: Box<dyn Any + Send + Sync>) -> Stream {
         // Relaxed: the counter only has to hand out distinct values.
         let id = NEXT_STREAM_ID.fetch_add(1, Ordering::Relaxed);
         Stream {
@@ -106,25 +105,23 @@ impl Stream {
         self.inner.destroyed.load(Ordering::Acquire)
     }
 
-    /// Mark the stream destroyed; true for the one caller that did so first.
-    pub fn mark_destroyed(&self) -> bool {
+    /// See [`implement::mark_destroyed`].
+    pub(crate) fn mark_destroyed(&self) -> bool {
         !self.inner.destroyed.swap(true, Ordering::AcqRel)
     }
 
-    /// The implementation's state for this stream, if it is of type `T`.
-    pub fn backend<T: 'static>(&self) -> Option<&T> {
+    /// See [`implement::stream_backend`].
+    pub(crate) fn backend<T: 'static>(&self) -> Option<&T> {
         self.inner.backend.downcast_ref::<T>()
     }
 
-    /// Ask for `hook` to run just before the stream is destroyed through
-    /// [`Device::destroy_stream`] (on any clone). Hooks run once, in the order added.
-    pub fn on_destroy(&self, hook: DestroyHook) {
+    /// See [`implement::on_destroy`].
+    pub(crate) fn on_destroy(&self, hook: DestroyHook) {
         self.inner.destroy_hooks.lock().unwrap_or_else(|p| p.into_inner()).push(hook);
     }
 
-    /// Run the destroy hooks: every device implementation calls this at the start of
-    /// `destroy_stream`, before the stream stops accepting work.
-    pub fn run_destroy_hooks(&self) {
+    /// See [`implement::run_destroy_hooks`].
+    pub(crate) fn run_destroy_hooks(&self) {
         let hooks = std::mem::take(&mut *self.inner.destroy_hooks.lock().unwrap_or_else(|p| p.into_inner()));
         for hook in hooks {
             hook(self);
@@ -152,13 +149,13 @@ pub struct Event {
 }
 
 impl Event {
-    /// Make a handle for a device implementation.
-    pub fn from_backend(backend: Box<dyn Any + Send + Sync>) -> Event {
+    /// See [`implement::new_event`].
+    pub(crate) fn from_backend(backend: Box<dyn Any + Send + Sync>) -> Event {
         Event { backend }
     }
 
-    /// The implementation's state for this event, if it is of type `T`.
-    pub fn backend<T: 'static>(&self) -> Option<&T> {
+    /// See [`implement::event_backend`].
+    pub(crate) fn backend<T: 'static>(&self) -> Option<&T> {
         self.backend.downcast_ref::<T>()
     }
 }

@@ -33,7 +33,7 @@ use arc_swap::ArcSwap;
 use cudarc::driver::{CudaContext, DriverError};
 
 use super::{driver_error, lock, missing_symbols, CudaDevice, CudaStream};
-use crate::device::Stream;
+use crate::device::{implement, Stream};
 use crate::error::{Error, Result};
 
 /// The handle value of CUDA's per-thread default stream (`CU_STREAM_PER_THREAD`).
@@ -165,9 +165,9 @@ impl CudaDevice {
             device: self.inner.clone(),
             cudarc: Some(Arc::clone(stream)),
         };
-        let handle = Stream::from_backend(raw as u64, Box::new(backend));
+        let handle = implement::new_stream(raw as u64, Box::new(backend));
         let k = key(stream);
-        handle.on_destroy(Box::new(move |s| unregister(k, s.id())));
+        implement::on_destroy(&handle, Box::new(move |s| unregister(k, s.id())));
         let mut next = HashMap::clone(&WRAPPED.load_full());
         // A destroyed handle left under the key (its hook has not run yet) is replaced.
         next.insert(k, handle.clone());
@@ -217,7 +217,7 @@ impl Stream {
     /// The cudarc stream this handle was made from ([`CudaDevice::wrap_cudarc_stream`]);
     /// `None` for other streams.
     pub fn cudarc_stream(&self) -> Option<&Arc<cudarc::driver::CudaStream>> {
-        self.backend::<CudaStream>()?.cudarc.as_ref()
+        implement::stream_backend::<CudaStream>(self)?.cudarc.as_ref()
     }
 }
 

@@ -35,7 +35,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 
 use super::costs::{self, DriverLock, SimCosts};
-use super::{in_host_fn_error, Device, DeviceKind, Event, HostFn, MemInfo, Stream};
+use super::{implement, in_host_fn_error, Device, DeviceKind, Event, HostFn, MemInfo, Stream};
 use crate::error::{Error, Result};
 
 mod memory;
@@ -201,8 +201,7 @@ impl StreamShared {
 
 impl SimInner {
     fn stream<'a>(&self, s: &'a Stream) -> Result<&'a SimStreamHandle> {
-        let h = s
-            .backend::<SimStreamHandle>()
+        let h = implement::stream_backend::<SimStreamHandle>(s)
             .ok_or_else(|| Error::InvalidArgument("stream does not belong to a simulated device".into()))?;
         if !std::ptr::eq(h.device.as_ptr(), self) {
             return Err(Error::InvalidArgument("stream belongs to another simulated device".into()));
@@ -317,7 +316,7 @@ impl SimDevice {
             return Err(sim_err("cuStreamCreate", format!("cannot start the stream's worker: {e}")));
         }
         let handle = SimStreamHandle { shared, raw, owned: true, device: Arc::downgrade(&self.inner) };
-        Ok(Stream::from_backend(raw, Box::new(handle)))
+        Ok(implement::new_stream(raw, Box::new(handle)))
     }
 
     /// Run `f` on the stream once all earlier work on it is done (the simulator's
@@ -464,14 +463,14 @@ impl Device for SimDevice {
         let shared = lock(&self.inner.raws).live.get(&raw).and_then(Weak::upgrade);
         let shared = shared.ok_or_else(|| Error::InvalidArgument(format!("no live simulated stream {raw}")))?;
         let handle = SimStreamHandle { shared, raw, owned: false, device: Arc::downgrade(&self.inner) };
-        Ok(Stream::from_backend(raw, Box::new(handle)))
+        Ok(implement::new_stream(raw, Box::new(handle)))
     }
 
     fn destroy_stream(&self, stream: &Stream) -> Result<()> {
         check_not_in_host_fn()?;
         let h = self.inner.stream(stream)?;
-        stream.run_destroy_hooks();
-        if stream.mark_destroyed() && h.owned {
+        implement::run_destroy_hooks(stream);
+        if implement::mark_destroyed(stream) && h.owned {
             // As cuStreamDestroy: returns at once; work already queued still runs.
             close_stream(&h.shared);
             self.inner.free_raw(h.raw, &h.shared);
@@ -494,7 +493,7 @@ impl Device for SimDevice {
     fn create_event(&self) -> Result<Event> {
         check_not_in_host_fn()?;
         costs::spend(self.inner.costs.event_create);
-        Ok(Event::from_backend(Box::new(SimEvent::default())))
+        Ok(implement::new_event(Box::new(SimEvent::default())))
     }
 
     fn record_event(&self, event: &Event, stream: &Stream) -> Result<()> {
@@ -630,8 +629,7 @@ impl Device for SimDevice {
 }
 
 fn sim_event(event: &Event) -> Result<&SimEvent> {
-    event
-        .backend::<SimEvent>()
+    implement::event_backend::<SimEvent>(event)
         .ok_or_else(|| Error::InvalidArgument("event does not belong to a simulated device".into()))
 }
 
