@@ -37,12 +37,13 @@ pub struct Span {
 pub struct Batch<E> {
     event: Option<E>,
     bytes: u64,
-    /// Taken by the one thread that pops the batch; never touched by testers.
+    /// Never written after the batch is made: the thread that pops it copies them, so that
+    /// walks (checks, snapshots) may read them while another thread pops.
     spans: UnsafeCell<Vec<Span>>,
 }
 
-// SAFETY: `spans` is only accessed by the single thread whose pop succeeded (Fifo::pop_if's
-// `take`), or through `&mut`; every other thread only reads `event` and `bytes`.
+// SAFETY: `spans` is written only through `&mut` (never once shared); every thread only
+// reads it, `event` and `bytes`.
 unsafe impl<E: Sync> Sync for Batch<E> {}
 
 impl<E> Batch<E> {
@@ -62,17 +63,18 @@ impl<E> Batch<E> {
         self.event.as_ref()
     }
 
-    /// Visit the spans (for checks on a quiet pool).
+    /// Visit the spans (for checks and snapshots).
     pub fn for_each_span(&self, mut f: impl FnMut(Span)) {
-        // SAFETY: reading only; used by checks when no thread pops (a quiet pool).
+        // SAFETY: reading only, and nobody writes `spans` once the batch is shared.
         self.spans.with(|v| unsafe { (*v).iter().for_each(|s| f(*s)) });
     }
 
     /// # Safety
-    /// Only the thread that popped this batch may call this, once.
+    /// Only the thread that popped this batch may call this, once (its spans go back once).
     unsafe fn take_spans(&self) -> Vec<Span> {
-        // SAFETY: the caller popped the batch, so no one else touches `spans`.
-        self.spans.with_mut(|v| unsafe { std::mem::take(&mut *v) })
+        // SAFETY: reading only, as in `for_each_span`; the batch's own copy is dropped with
+        // it, once the epoch lets it go.
+        self.spans.with(|v| unsafe { (*v).clone() })
     }
 }
 
