@@ -176,6 +176,7 @@ impl PoolInner {
             &guard,
         );
         Counters::bump(&self.counters.batches_retired, b);
+        tracing::trace!(batches = b, settled, "settle");
         drop(guard);
         self.prune_orphans();
         if (settled || b > 0) && self.config.release_threshold != u64::MAX {
@@ -190,6 +191,7 @@ impl PoolInner {
     /// out of memory, and what `trim()` does before it unmaps. Returns whether it waited on
     /// anything.
     pub(crate) fn host_wait(&self, mut wanted: impl FnMut(&Stream) -> bool) -> bool {
+        let _span = tracing::debug_span!("host wait").entered();
         let guard = epoch::pin();
         let dev = &self.device;
         let mut waited = false;

@@ -51,6 +51,7 @@ impl PoolInner {
         st: &StreamState,
         own: Option<&local::ThreadCache>,
     ) -> Result<u64> {
+        let _span = tracing::debug_span!("ladder", size, stream = st.stream.id()).entered();
         let ready = Mode::READY;
         let try_ready = |p: &Self| p.place(st, size, ready);
         // 1.
@@ -58,38 +59,45 @@ impl PoolInner {
             return Ok(a);
         }
         // 2.
+        tracing::trace!("rung 2: settle");
         if self.settle() {
             if let Some(a) = self.place(st, size, ready)? {
                 return Ok(a);
             }
         }
         // 3.
+        tracing::trace!("rung 3: flush this stream's caches");
         Counters::bump(&self.counters.ladder_flushes, 1);
         if let Some(a) = self.flush_rounds(size, st, own, try_ready)? {
             return Ok(a);
         }
         // 4.
+        tracing::trace!("rung 4: map below the peak");
         Counters::bump(&self.counters.ladder_maps, 1);
         if let Some(a) = self.place(st, size, Mode { reuse: Reuse::Ready, mapping: Mapping::WithinPeak })? {
             return Ok(a);
         }
         // 5.
+        tracing::debug!("rung 5: other streams' idle memory");
         if self.reclaim_held(false) | self.settle() {
             if let Some(a) = self.place(st, size, ready)? {
                 return Ok(a);
             }
         }
         // 6.
+        tracing::debug!("rung 6: device waits");
         if self.config.cross_stream_waits {
             if let Some(a) = self.place(st, size, Mode { reuse: Reuse::Wait, mapping: Mapping::Forbidden })? {
                 return Ok(a);
             }
         }
         // 7.
+        tracing::debug!("rung 7: map past the peak");
         if let Some(a) = self.map_past_peak(st, size)? {
             return Ok(a);
         }
         // 8.
+        tracing::debug!("rung 8: host waits");
         for _ in 0..LAST_ROUNDS {
             // Every stream's, this one's too: its own free memory is reusable without a wait,
             // but unmapping a page (to map its budget where the request fits) needs the work
@@ -107,6 +115,7 @@ impl PoolInner {
             }
         }
         // 9.
+        tracing::debug!("rung 9: out of memory");
         Counters::bump(&self.counters.ooms, 1);
         let s = self.stats();
         Err(Error::OutOfMemory(Box::new(OutOfMemory {

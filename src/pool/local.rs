@@ -167,6 +167,7 @@ impl ThreadCache {
     #[cold]
     #[inline(never)]
     fn refill(&self, slot: Slot, depot: &crate::cache::depot::Depot) -> Option<u64> {
+        tracing::trace!(class = slot.class, stream = self.stream_id, "refill from the depot");
         // A magazine from the depot moves its bytes into this cache: reserve for them first.
         let c = &self.shared.counters;
         self.grow_budget(c.cached_bytes.load(Ordering::Relaxed) + slot.cap as u64 * slot.size);

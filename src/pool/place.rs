@@ -146,6 +146,7 @@ impl<'a> Judge<'a> {
                 return false;
             }
             Counters::bump(&self.pool.counters.device_waits, 1);
+            tracing::debug!(stream = st.stream.id(), on_slot = slot, seq, "device wait");
         }
         true
     }
@@ -391,6 +392,9 @@ impl PoolInner {
             r
         };
         let n = self.pages.unmap_lent(&mut accept, &mut unmap);
+        if n > 0 {
+            tracing::debug!(bytes = n, "unmap lent pages")
+        }
         Counters::bump(&self.counters.unmapped, n);
         n
     }
@@ -443,6 +447,7 @@ impl PoolInner {
 
     /// A block freed on `st`'s stream: back to the arena at once (see the module docs).
     pub(crate) fn release(&self, st: &StreamState, span: Span) {
+        tracing::trace!(addr = span.addr, size = span.size, stream = st.stream.id(), "retire to the arena");
         if self.space.is_large(span.size) {
             self.free_extent(span.addr, span.size, fence_word(st.slot, st.fence.stamp()));
         } else {
@@ -508,6 +513,7 @@ impl PoolInner {
             })));
         }
         let r = self.device.map(page, len);
+        tracing::debug!(page, len, ok = r.is_ok(), "map");
         match r {
             Ok(()) => Counters::bump(&self.counters.mapped, len64),
             Err(_) => {
@@ -553,6 +559,9 @@ impl PoolInner {
             r
         };
         let n = self.pages.unmap_free(keep, &mut unmap);
+        if n > 0 {
+            tracing::debug!(bytes = n, keep, "unmap free pages")
+        }
         Counters::bump(&self.counters.unmapped, n);
         n
     }
