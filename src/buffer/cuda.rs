@@ -495,6 +495,7 @@ impl Pool {
     /// handle. The hit path is [`Pool::alloc_buffer`]'s. [`Error::InvalidArgument`] for a
     /// stream not made from cudarc, or a length that overflows.
     #[inline]
+    #[track_caller]
     pub fn alloc_cuda_buffer<'s, T: Pod>(&self, len: usize, stream: &'s Stream) -> Result<CudaBuffer<'s, T>> {
         let cs = cudarc_of(stream)?;
         Ok(CudaBuffer::new(self.alloc_buffer(len, stream)?, cs))
@@ -502,6 +503,7 @@ impl Pool {
 
     /// [`Pool::alloc_cuda_buffer`], then every byte set to zero on `stream` (in stream
     /// order).
+    #[track_caller]
     pub fn alloc_cuda_zeroed<'s, T: Pod>(&self, len: usize, stream: &'s Stream) -> Result<CudaBuffer<'s, T>> {
         let cs = cudarc_of(stream)?;
         Ok(CudaBuffer::new(self.alloc_zeroed(len, stream)?, cs))
@@ -513,6 +515,7 @@ impl StreamCache {
     /// have been made from a cudarc stream; the buffer borrows the cache. The hit path is
     /// [`StreamCache::alloc_buffer`]'s.
     #[inline]
+    #[track_caller]
     pub fn alloc_cuda_buffer<T: Pod>(&self, len: usize) -> Result<CudaBuffer<'_, T>> {
         let cs = cudarc_of(self.stream())?;
         Ok(CudaBuffer::new(self.alloc_buffer(len)?, cs))

@@ -221,6 +221,7 @@ impl Pool {
     /// the same hit path). Its contents are whatever the memory last held.
     /// [`Error::InvalidArgument`] when `len * size_of::<T>()` overflows.
     #[inline(always)]
+    #[track_caller]
     pub fn alloc_buffer<T: Pod>(&self, len: usize, stream: &Stream) -> Result<Buffer<T>> {
         let bytes = bytes_of::<T>(len)?;
         self.alloc(bytes, stream).map(Buffer::from_block)
@@ -228,6 +229,7 @@ impl Pool {
 
     /// [`Pool::alloc_buffer`], then every byte set to zero on `stream` (in stream order:
     /// work enqueued on `stream` after this call sees zeros).
+    #[track_caller]
     pub fn alloc_zeroed<T: Pod>(&self, len: usize, stream: &Stream) -> Result<Buffer<T>> {
         let mut buf = self.alloc_buffer(len, stream)?;
         buf.fill_zeros(self, stream)?;
@@ -236,6 +238,7 @@ impl Pool {
 
     /// A buffer holding a copy of `src`, for use on `stream` (the copy is done when this
     /// returns).
+    #[track_caller]
     pub fn alloc_from_host<T: Pod>(&self, src: &[T], stream: &Stream) -> Result<Buffer<T>> {
         let mut buf = self.alloc_buffer(src.len(), stream)?;
         buf.copy_from_host(self, src, stream)?;
@@ -248,6 +251,7 @@ impl StreamCache {
     /// [`StreamCache::alloc`]: the same hit path). [`Error::InvalidArgument`] when
     /// `len * size_of::<T>()` overflows.
     #[inline(always)]
+    #[track_caller]
     pub fn alloc_buffer<T: Pod>(&self, len: usize) -> Result<Buffer<T>> {
         let bytes = bytes_of::<T>(len)?;
         self.alloc(bytes).map(Buffer::from_block)

@@ -8,6 +8,7 @@
 //! path, which pushes it onto its stream's open batch without calling the device.
 
 use std::cell::{Cell, RefCell};
+use std::panic::Location;
 use std::ptr::NonNull;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -104,9 +105,10 @@ impl ThreadCache {
     /// empty magazines, a zero-byte or uncached size) is [`ThreadCache::alloc_cold`]; see
     /// [`alloc_through`].
     #[inline(always)]
+    #[track_caller]
     pub(crate) fn alloc(&self, bytes: usize) -> Result<Block> {
-        let pool = NonNull::from(&*self.pool);
-        alloc_through(pool, self.stream_id, bytes, || Some(&*self.shared), |class| self.alloc_cold(bytes, class))
+        let (pool, site) = (NonNull::from(&*self.pool), Location::caller());
+        alloc_through(pool, self.stream_id, bytes, || Some(&*self.shared), |class| self.alloc_cold(bytes, class, site))
     }
 
     /// Everything but the hit path: the magazines again once any thief is gone, the
@@ -114,7 +116,7 @@ impl ThreadCache {
     /// `class_of(bytes)`, already computed by the caller.
     #[cold]
     #[inline(never)]
-    pub(crate) fn alloc_cold(&self, bytes: usize, class: Option<usize>) -> Result<Placed> {
+    pub(crate) fn alloc_cold(&self, bytes: usize, class: Option<usize>, site: &'static Location) -> Result<Placed> {
         let pool = &*self.pool;
         let near = pool.near_limit();
         if near != self.near.get() {
@@ -124,7 +126,7 @@ impl ThreadCache {
         let class = match class {
             Some(c) if c < pool.hot.classes => c,
             // A zero-byte request has no class: `alloc_uncached` gives it an empty block.
-            _ => return self.pool.alloc_uncached(bytes, &self.stream, Some(self)),
+            _ => return self.pool.alloc_uncached(bytes, &self.stream, Some(self), site),
         };
         let size = class::size_of_class(class);
         if let Some(hit) = self.take_cached(class, size) {
@@ -312,6 +314,7 @@ impl StreamCache {
     /// callers always: left out of line inside a wrapper (`alloc_buffer`), the block stalled
     /// on its way into the wrapper (3.5–4× the hot pair).
     #[inline(always)]
+    #[track_caller]
     pub fn alloc(&self, bytes: usize) -> Result<Block> {
         self.tc.alloc(bytes)
     }
@@ -469,8 +472,9 @@ pub(crate) fn stream_cache(pool: &Arc<PoolInner>, stream: &Arc<StreamState>) -> 
 /// arena. The same hit path as [`ThreadCache::alloc`] ([`alloc_through`]), with the cache
 /// found through the memo.
 #[inline(always)]
+#[track_caller]
 pub(crate) fn alloc(pool: &Arc<PoolInner>, stream: &Stream, bytes: usize) -> Result<Block> {
-    let (p, id) = (Arc::as_ptr(pool), stream.id());
+    let (p, id, site) = (Arc::as_ptr(pool), stream.id(), Location::caller());
     // The cache's shared part straight from the memo: the hit needs nothing else of the
     // cache (one dependent load fewer before it can start).
     let shared = || {
@@ -479,7 +483,7 @@ pub(crate) fn alloc(pool: &Arc<PoolInner>, stream: &Stream, bytes: usize) -> Res
         // the hit path removes no entry.
         Some(unsafe { &*shared })
     };
-    alloc_through(NonNull::from(&**pool), id, bytes, shared, |class| alloc_slow(pool, stream, bytes, class))
+    alloc_through(NonNull::from(&**pool), id, bytes, shared, |class| alloc_slow(pool, stream, bytes, class, site))
 }
 
 /// The allocation hit path both entry points share: the block of `bytes`' class (or a
@@ -506,12 +510,18 @@ fn alloc_through<'a>(
 /// Everything [`alloc`]'s hit path does not do: find (or make) the cache, then its cold path.
 #[cold]
 #[inline(never)]
-fn alloc_slow(pool: &Arc<PoolInner>, stream: &Stream, bytes: usize, class: Option<usize>) -> Result<Placed> {
+fn alloc_slow(
+    pool: &Arc<PoolInner>,
+    stream: &Stream,
+    bytes: usize,
+    class: Option<usize>,
+    site: &'static Location,
+) -> Result<Placed> {
     match find(pool, stream.id(), || pool.stream_state(stream).ok()) {
         // SAFETY: `find` names a cache a live entry of this thread holds, and nothing the
         // allocation reaches removes entries (see `Memo`).
-        Some(tc) => unsafe { &*tc }.alloc_cold(bytes, class),
-        None => pool.alloc_uncached(bytes, &pool.stream_state(stream)?, None),
+        Some(tc) => unsafe { &*tc }.alloc_cold(bytes, class, site),
+        None => pool.alloc_uncached(bytes, &pool.stream_state(stream)?, None, site),
     }
 }
 

@@ -34,13 +34,18 @@ mod block;
 mod books;
 mod giveback;
 mod ladder;
+mod leaks;
 mod local;
 mod place;
+mod sites;
+mod snapshot;
 mod streams;
 
 pub use block::Block;
+pub use leaks::Leak;
 pub use local::StreamCache;
 pub(crate) use place::KEEP_FREE_CHUNKS;
+pub use snapshot::{BlockState, Extent, Segment, Snapshot};
 
 use std::fmt;
 use std::sync::Arc;
@@ -138,6 +143,12 @@ pub struct PoolConfig {
     /// threshold (a floor): requests whose live bytes stay under it never map. Default 0.
     /// See also [`Pool::reserve`].
     pub preallocate: u64,
+    /// Record every live block's size, stream and allocation site (the file and line of the
+    /// `alloc` call) for [`Pool::snapshot`] and [`Pool::leaks`]. A debugging aid: it keeps
+    /// the caches empty (every allocation and free takes the slow paths, where the record is
+    /// made in a lock-free map), so that when it is off the hit path carries nothing for it.
+    /// Default false.
+    pub track_sites: bool,
     /// Test-only: treat every fence and retire event as complete and skip device waits, so
     /// memory freed on one stream can be handed to another before the GPU is done with it.
     /// Exists so that stress tests can show they catch a broken guard; never set it otherwise.
@@ -166,6 +177,7 @@ impl Default for PoolConfig {
             large_block_threshold: 512 << 10,
             cross_stream_waits: true,
             preallocate: 0,
+            track_sites: false,
             break_event_guard_for_tests: false,
         }
     }
@@ -189,6 +201,7 @@ impl Drop for LastHandle {
         let _ = self.0.trim();
         let live = self.0.stats().live_blocks;
         if live != 0 {
+            self.0.warn_leaks(live);
             // Late frees must find the pool: its bookkeeping (not its device memory, which
             // trim gave back as far as it could) lives on.
             std::mem::forget(Arc::clone(&self.0));
@@ -229,6 +242,8 @@ pub(crate) struct PoolInner {
     /// path to record their events.
     deferred_cross: crate::reclaim::Stack<(Span, Vec<Stream>)>,
     counters: CachePadded<Counters>,
+    /// Live blocks with their sites, when `config.track_sites`.
+    sites: Option<sites::Sites>,
 }
 
 /// See [`PoolInner::hot`].
@@ -261,7 +276,8 @@ impl Pool {
         if g == 0 || !g.is_power_of_two() || g < ALIGN {
             return Err(Error::InvalidArgument(format!("device granularity {g} is not a power of two ≥ 256")));
         }
-        let classes = class::classes_up_to(config.largest_cached_class);
+        // Tracking sites keeps every allocation off the hit path: no class is cached.
+        let classes = if config.track_sites { 0 } else { class::classes_up_to(config.largest_cached_class) };
         let caps: Box<[u8]> =
             (0..classes).map(|c| mag_cap(class::size_of_class(c), config.magazine_bytes) as u8).collect();
         let max_reserved = config.max_reserved.unwrap_or(total / 10 * 8);
@@ -291,6 +307,7 @@ impl Pool {
             }
         };
         let preallocate = config.preallocate;
+        let sites = sites::Sites::new(config.track_sites);
         let inner = Arc::new(PoolInner {
             device,
             config,
@@ -310,6 +327,7 @@ impl Pool {
             cross: Retire::new(),
             deferred_cross: crate::reclaim::Stack::new(),
             counters: CachePadded::new(Counters::default()),
+            sites,
         });
         let pool = Pool { _handle: Arc::new(LastHandle(Arc::clone(&inner))), inner };
         if preallocate > 0 {
@@ -338,6 +356,7 @@ impl Pool {
     /// use the block. A zero-byte request gives an empty block. Served by the calling
     /// thread's cache for `stream`, found through a thread-local.
     #[inline]
+    #[track_caller]
     pub fn alloc(&self, bytes: usize, stream: &Stream) -> Result<Block> {
         local::alloc(&self.inner, stream, bytes)
     }
@@ -418,6 +437,7 @@ impl PoolInner {
         bytes: usize,
         st: &Arc<StreamState>,
         own: Option<&local::ThreadCache>,
+        site: &'static std::panic::Location<'static>,
     ) -> Result<Placed> {
         if bytes == 0 {
             return Ok(Placed::EMPTY);
@@ -428,6 +448,9 @@ impl PoolInner {
         self.refuse_capture(st)?;
         let addr = self.alloc_arena(size, bytes, st, own)?;
         self.counters.on_alloc();
+        if let Some(t) = &self.sites {
+            t.insert(addr, sites::Site { bytes: bytes as u64, size, stream: st.stream.id(), at: site });
+        }
         Ok(Placed::uncached(addr, size))
     }
 
@@ -469,6 +492,9 @@ impl PoolInner {
     /// used on several streams, or dropped where this thread has no cache any more.
     pub(crate) fn free_slow(&self, addr: u64, size: u64, stream: StreamId, used_on: Vec<Stream>) {
         self.counters.on_free();
+        if let Some(t) = &self.sites {
+            t.remove(addr);
+        }
         let span = Span { addr, size };
         let Some(st) = self.state_by_id(stream) else {
             // Only a destroyed stream's state is ever dropped, and only once its final event
