@@ -352,6 +352,13 @@ impl SimDevice {
         self.inner.mem.committed()
     }
 
+    /// Whether every byte of `[addr, addr + len)` lies on mapped pages now: what a host
+    /// function that reads or writes device memory itself checks first, as the simulator's
+    /// own copies do (a GPU would fault the context; a host thread would take a SIGSEGV).
+    pub fn is_mapped(&self, addr: u64, len: usize) -> bool {
+        self.inner.is_mapped(addr, len)
+    }
+
     /// How many host functions panicked (the stream carried on after each).
     pub fn host_fn_panics(&self) -> u64 {
         self.inner.host_fn_panics.load(Ordering::Acquire)
