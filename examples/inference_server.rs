@@ -226,12 +226,22 @@ struct Shared {
     /// Bytes asked for and not yet freed, across all workers, and their peak.
     live: AtomicU64,
     peak_live: AtomicU64,
+    /// The peak of `live` since the main thread's last sample.
+    window_peak: AtomicU64,
     requests: AtomicU64,
     handoffs: AtomicU64,
     next_tag: AtomicU64,
     running: AtomicUsize,
     errors: AtomicU64,
     first_error: Mutex<Option<String>>,
+}
+
+impl Shared {
+    /// Live bytes are `now`: keep the peaks.
+    fn note_live(&self, now: u64) {
+        self.peak_live.fetch_max(now, Ordering::Relaxed);
+        self.window_peak.fetch_max(now, Ordering::Relaxed);
+    }
 }
 
 /// A block with the tag of its pattern.
@@ -256,7 +266,7 @@ impl Worker<'_> {
         let tag = self.sh.next_tag.fetch_add(1, Ordering::Relaxed);
         self.sh.work.fill(block.device_ptr(), block.capacity() as u64, tag, &self.stream)?;
         let now = self.sh.live.fetch_add(block.len() as u64, Ordering::Relaxed) + block.len() as u64;
-        self.sh.peak_live.fetch_max(now, Ordering::Relaxed);
+        self.sh.note_live(now);
         Ok(Held { block, tag })
     }
 
@@ -364,7 +374,7 @@ impl Worker<'_> {
                     let tag = self.sh.next_tag.fetch_add(1, Ordering::Relaxed);
                     self.sh.work.fill(block.device_ptr(), block.capacity() as u64, tag, &streams[s])?;
                     let now = self.sh.live.fetch_add(size, Ordering::Relaxed) + size;
-                    self.sh.peak_live.fetch_max(now, Ordering::Relaxed);
+                    self.sh.note_live(now);
                     live[id] = Some((Held { block, tag }, s));
                 }
                 model::Event::Free { id } => {
@@ -512,6 +522,7 @@ fn run(args: &Args) -> Result<u64, Error> {
         pause: Pause::default(),
         live: AtomicU64::new(0),
         peak_live: AtomicU64::new(0),
+        window_peak: AtomicU64::new(0),
         requests: AtomicU64::new(0),
         handoffs: AtomicU64::new(0),
         next_tag: AtomicU64::new(1),
@@ -540,7 +551,8 @@ fn run(args: &Args) -> Result<u64, Error> {
             std::thread::sleep(Duration::from_millis(100));
             let t = start.elapsed().as_secs_f64();
             let st = sh.pool.stats();
-            samples.push(Sample { t, live: sh.live.load(Ordering::Relaxed), reserved: st.reserved_bytes });
+            let live = sh.window_peak.swap(sh.live.load(Ordering::Relaxed), Ordering::Relaxed);
+            samples.push(Sample { t, live, reserved: st.reserved_bytes });
             if t - last_t >= 0.5 {
                 let dt = t - last_t;
                 let requests = sh.requests.load(Ordering::Relaxed);

@@ -92,7 +92,7 @@ pub fn tier_table(s: &Stats) -> String {
 #[derive(Clone, Copy)]
 pub struct Sample {
     pub t: f64,
-    /// Bytes the workers asked for and have not freed.
+    /// The most bytes the workers had asked for and not freed since the last sample.
     pub live: u64,
     pub reserved: u64,
 }
@@ -247,7 +247,7 @@ pub fn timeline_svg(samples: &[Sample], peaks: (u64, u64), snapshot_at: Option<f
 <rect width="100%" height="100%" fill="white"/>
 <text x="{L}" y="24" font-size="16" font-weight="bold">{title}</text>
 <rect x="{L}" y="34" width="14" height="4" fill="#2e86ab" transform="translate(0,5)"/><text x="{l1}" y="46">reserved (mapped), peak {pr}</text>
-<rect x="{l2}" y="34" width="14" height="4" fill="#e4572e" transform="translate(0,5)"/><text x="{l3}" y="46">live (bytes asked for, not yet freed), peak {pl}</text>
+<rect x="{l2}" y="34" width="14" height="4" fill="#e4572e" transform="translate(0,5)"/><text x="{l3}" y="46">live (bytes asked for, not yet freed; the peak of each 0.1 s), peak {pl}</text>
 {axes}
 <line x1="{L}" x2="{L}" y1="{T}" y2="{bottom}" stroke="#444"/><line x1="{L}" x2="{right}" y1="{bottom}" y2="{bottom}" stroke="#444"/>
 <text x="{L}" y="{xl}" fill="#555">seconds</text><text x="16" y="{T}" fill="#555">MiB</text>
