@@ -1,26 +1,46 @@
 //! vrampool: a lock-free, concurrent, stream-ordered pool allocator for GPU device memory.
 //!
-//! A [`Pool`] hands out [`Block`]s of device memory for use on a [`Stream`]; dropping a block
-//! frees it in stream order. Each worker thread gets its own cache per stream (T0), caches
-//! trade whole magazines with per-stream depots (T1), freed memory leaves a stream's domain
-//! in batches behind one event each (T2), and everything comes from one lock-free arena over
-//! a reserved address range whose physical pages are mapped on demand (T3). No lock on any
-//! path. The devices: `CudaDevice` (feature `cuda`, the driver API loaded at run time) and
-//! [`SimDevice`], a simulated GPU as strict as CUDA. See `IMPLEMENTATION.md` for the
-//! algorithms and `../shared/DESIGN.md` for the contract.
+//! # Using it
+//!
+//! Make a [`Pool`] over a device, give each worker thread a [`StreamCache`] for its stream,
+//! and allocate [`Block`]s; dropping a block frees it in stream order (reusable at once by
+//! later work on its stream, by other streams once the GPU is past it):
 //!
 //! ```
 //! use vrampool::{Pool, PoolConfig, SimDevice};
-//! let dev = SimDevice::new(1 << 30);
+//! let dev = SimDevice::new(1 << 30);                 // or `CudaDevice::new(0)`, `device::auto(..)`
 //! let pool = Pool::new(dev.clone(), PoolConfig::default())?;
-//! let s = dev.new_stream()?;
-//! let b = pool.alloc(4096, &s)?;
-//! assert_eq!(b.device_ptr() % 256, 0);
-//! drop(b);
-//! pool.trim()?;
-//! pool.check()?;
+//! let s = dev.new_stream()?;                         // the worker's stream
+//! let cache = pool.stream_cache(&s)?;                // the worker's cache for it: the fastest path
+//! let b = cache.alloc(4096)?;                        // or `pool.alloc(4096, &s)`
+//! assert_eq!(b.device_ptr() % 256, 0);               // use it in work enqueued on `s`
+//! drop(b);                                           // freed in stream order
+//! let stats = pool.stats();                          // every tier's figures
+//! assert_eq!(stats.allocated_bytes, 0);
+//! pool.trim()?;                                      // give back what is cached
 //! # Ok::<(), vrampool::Error>(())
 //! ```
+//!
+//! - A block used on another stream too: [`Block::record_stream`]; typed blocks:
+//!   [`Buffer`] (and `CudaBuffer` for cudarc, feature `cuda`).
+//! - What the memory holds: [`Pool::snapshot`] (every mapped byte live, cached, retiring or
+//!   free), [`Pool::leaks`] (what is still out; with [`PoolConfig::track_sites`], where it
+//!   was allocated), [`Pool::check`] (the books).
+//! - Devices: `CudaDevice` (feature `cuda`, the driver API loaded at run time) and
+//!   [`SimDevice`], a simulated GPU as strict as CUDA; [`device::auto`] picks one. C, C++ and
+//!   PyTorch: [`ffi`] (`libvrampool.so`, `include/vrampool.h`); one pool per device for a
+//!   process: [`registry`]. Implementing a [`Device`]: [`device::implement`].
+//! - The slow paths (refills, the out-of-memory ladder, maps, unmaps, device waits) emit
+//!   `tracing` spans and events; with no subscriber they cost nothing.
+//!
+//! # Inside
+//!
+//! Each worker thread gets its own cache per stream (T0), caches trade whole magazines with
+//! per-stream depots (T1), freed memory goes back to the arena at once behind a per-stream
+//! fence, and blocks used on several streams wait behind their events (T2); everything
+//! comes from one lock-free arena over a reserved address range whose physical pages are
+//! mapped on demand (T3). No lock on any path. See `IMPLEMENTATION.md` for the algorithms
+//! and `../shared/DESIGN.md` for the contract.
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
