@@ -58,7 +58,7 @@ fn run(name: &str, extra: &[&str]) -> (Outcome, PathBuf) {
     let corrupted = stdout
         .lines()
         .filter_map(|l| l.strip_prefix("corrupted blocks: "))
-        .last()
+        .next_back()
         .map(|n| n.trim().parse().expect("a count after `corrupted blocks:`"));
     (Outcome { ok: out.status.success(), stdout, corrupted }, report)
 }

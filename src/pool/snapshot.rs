@@ -351,6 +351,43 @@ mod tests {
     }
 
     #[test]
+    fn a_snapshot_of_a_busy_pool_still_cuts_every_mapped_byte_once() {
+        let dev = SimDevice::new(1 << 30);
+        let pool = Pool::new(dev.clone(), PoolConfig::default()).unwrap();
+        let copy = dev.new_stream().unwrap();
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            for t in 0..2u64 {
+                let (pool, dev, copy, stop) = (&pool, &dev, &copy, &stop);
+                scope.spawn(move || {
+                    let s = dev.new_stream().unwrap();
+                    let cache = pool.stream_cache(&s).unwrap();
+                    let mut held = std::collections::VecDeque::new();
+                    let mut i = t;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        i = i.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                        let b = cache.alloc(256 << (i >> 60)).unwrap();
+                        if i % 7 == 0 {
+                            b.record_stream(copy);
+                        }
+                        held.push_back(b);
+                        if held.len() > 64 {
+                            held.pop_front();
+                        }
+                    }
+                });
+            }
+            for _ in 0..50 {
+                let snap = pool.snapshot();
+                covered_exactly(&snap);
+            }
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        });
+        pool.trim().unwrap();
+        assert_eq!(pool.snapshot().live_bytes, 0);
+    }
+
+    #[test]
     fn with_sites_each_live_block_is_an_extent_with_its_stream_and_site() {
         let dev = SimDevice::new(1 << 30);
         let pool = Pool::new(dev.clone(), PoolConfig { track_sites: true, ..PoolConfig::default() }).unwrap();
