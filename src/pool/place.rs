@@ -351,6 +351,10 @@ impl PoolInner {
     fn lend_to(&self, st: &StreamState, to: u64, len: usize) -> bool {
         let mut alias = |from: u64, to: u64, l: usize| {
             self.device.alias(from, to, l)?;
+            // The memory's history goes with it: should the placement be rolled back (another
+            // of its pages cannot be had), `to` is left free holding memory whose last users
+            // only `from`'s fences name; its own fences are of memory long unmapped.
+            self.space.copy_fences(from, to, l as u64);
             Counters::bump(&self.counters.mapped, l as u64);
             Ok(())
         };
