@@ -356,6 +356,18 @@ pub enum Spill {
     Retire(Vec<u64>),
 }
 
+/// How long a thread cache must go unused before the pool takes its blocks short of its
+/// last resort: far longer than any slow path of its owner's (a map is ~40 µs, a ladder
+/// climb well under a millisecond), far shorter than a server's idle worker waits.
+pub const IDLE_AFTER_MS: u64 = 50;
+
+/// Milliseconds since the first call: the clock of [`CacheShared::idle`], read by thieves
+/// only (never on an owner's path).
+fn idle_clock() -> u64 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    START.get_or_init(std::time::Instant::now).elapsed().as_millis() as u64
+}
+
 /// The part of a thread cache that other threads may reach: the magazines (behind the
 /// handshake), the flags and the counters. Aligned to its own cache lines: its owner writes
 /// it on every operation, and no other thread's data may share a line with it.
@@ -369,6 +381,9 @@ pub struct CacheShared {
     /// a cache found unset made no operation since the last look (second chance, as a
     /// clock's reference bit).
     touched: AtomicBool,
+    /// When a thief last found `touched` set (milliseconds of [`idle_clock`]); written by
+    /// thieves only.
+    seen_busy: AtomicU64,
     /// Whether the owning thread has let go of the cache (flushed or exited).
     retired: AtomicBool,
     mags: UnsafeCell<Mags>,
@@ -395,6 +410,7 @@ impl CacheShared {
             in_use: AtomicBool::new(false),
             steal: AtomicBool::new(false),
             touched: AtomicBool::new(false),
+            seen_busy: AtomicU64::new(0),
             mags: UnsafeCell::new(Mags::new(classes)),
             retired: AtomicBool::new(false),
             counters: CacheCounters::default(),
@@ -423,17 +439,20 @@ impl CacheShared {
         self.in_use.store(false, Ordering::Release);
     }
 
-    /// Whether the owner made no operation since the previous call (or ever): a thread
-    /// that sits idle, whose blocks the pool may take back without slowing it down. Each
-    /// call clears the mark, so a working thread's cache is passed over, and a cache is
-    /// taken only after a whole interval between two looks without use. A hint: a race
-    /// with the owner only makes a steal that the handshake still makes safe.
+    /// Whether the owner has made no operation for at least [`IDLE_AFTER_MS`], as far as
+    /// thieves have seen: a thread that sits idle, whose blocks the pool may take back
+    /// without slowing it down. Each call clears the owner's mark and notes the time when
+    /// it was set, so a working thread's cache is passed over, also while its owner is in
+    /// a slow path of its own (a few looks in a row may find no new operation then). A
+    /// hint: a race with the owner only makes a steal that the handshake still makes safe.
     pub fn idle(&self) -> bool {
+        let now = idle_clock();
         if self.touched.load(Ordering::Relaxed) {
             self.touched.store(false, Ordering::Relaxed);
+            self.seen_busy.store(now, Ordering::Relaxed);
             return false;
         }
-        true
+        now.saturating_sub(self.seen_busy.load(Ordering::Relaxed)) >= IDLE_AFTER_MS
     }
 
     /// The whole allocation hit path for a caller's fast path: enter, take a block of the
