@@ -195,17 +195,31 @@ void require_bound() {
   TORCH_CHECK(lib.malloc != nullptr, "vrampool_hooks: bind(path) was not called");
 }
 
+// The allocation paths' errors are built without iostreams: on the GPU machine,
+// c10::str's ostringstream, instantiated in this extension, crashed inserting an int
+// (a libstdc++ facet this extension and the process's libstdc++ disagree on), inside a
+// refused allocation. snprintf and std::string are all the messages need.
+std::string num(long long v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%lld", v);
+  return buf;
+}
+
+[[noreturn]] void throw_error(bool oom, const std::string& msg) {
+  const c10::SourceLocation here{__func__, __FILE__, static_cast<uint32_t>(__LINE__)};
+  if (oom) {
+    throw c10::OutOfMemoryError(here, msg);
+  }
+  throw c10::Error(here, msg);
+}
+
 // Throw what PyTorch's own allocator would for this refusal: out of memory (also for a
 // request no pool can ever serve) as c10::OutOfMemoryError, anything else as c10::Error.
 [[noreturn]] void throw_refused(ssize_t size, int device, const Failure& f) {
   if (f.code == kOutOfMemory || f.code == kTooLarge) {
     const auto bytes = static_cast<uint64_t>(size);
     if (bytes >= (1ULL << 60)) {
-      TORCH_CHECK_WITH(
-          OutOfMemoryError,
-          false,
-          "CUDA out of memory. Tried to allocate more than 1EB memory. vrampool: ",
-          f.message);
+      throw_error(true, "CUDA out of memory. Tried to allocate more than 1EB memory. vrampool: " + f.message);
     }
     std::string capacity = "";
     try {
@@ -217,28 +231,15 @@ void require_bound() {
     } catch (const std::exception&) {
       // No device to ask (the simulator): the message goes without the figures.
     }
-    TORCH_CHECK_WITH(
-        OutOfMemoryError,
-        false,
-        "CUDA out of memory. Tried to allocate ",
-        format_size(bytes),
-        ". GPU ",
-        device,
-        capacity,
-        ". vrampool: ",
-        f.message);
+    throw_error(true, "CUDA out of memory. Tried to allocate " + format_size(bytes) + ". GPU " + num(device) +
+                    capacity + ". vrampool: " + f.message);
   }
-  TORCH_CHECK(
-      false,
-      "vrampool could not allocate ",
-      size,
-      " bytes on CUDA device ",
-      device,
-      f.code == kStreamCapturing
-          ? " (CUDA graph capture: CUDAPluggableAllocator gives vrampool no graph pools)"
-          : "",
-      ": ",
-      f.message);
+  throw_error(false,
+        "vrampool could not allocate " + num(size) + " bytes on CUDA device " + num(device) +
+            (f.code == kStreamCapturing
+                 ? " (CUDA graph capture: CUDAPluggableAllocator gives vrampool no graph pools)"
+                 : "") +
+            ": " + f.message);
 }
 
 }  // namespace
@@ -337,7 +338,7 @@ void record_stream_hook(void* ptr, cudaStream_t stream) {
     record_streams_skipped.fetch_add(1, std::memory_order_relaxed);
     return;
   }
-  TORCH_CHECK(false, "vrampool_record_stream failed (status ", rc, "): ", why);
+  throw_error(false, "vrampool_record_stream failed (status " + num(rc) + "): " + why);
 }
 
 void empty_cache_hook() {
@@ -345,7 +346,7 @@ void empty_cache_hook() {
   int rc = lib.empty_cache();
   if (rc != 0) {
     std::string why = last_error_or("no message");
-    TORCH_CHECK(false, "vrampool_empty_cache failed (status ", rc, "): ", why);
+    throw_error(false, "vrampool_empty_cache failed (status " + num(rc) + "): " + why);
   }
 }
 
