@@ -384,6 +384,8 @@ pub struct CacheShared {
     /// When a thief last found `touched` set (milliseconds of [`idle_clock`]); written by
     /// thieves only.
     seen_busy: AtomicU64,
+    /// The thread that made the cache (its owner).
+    owner: std::thread::ThreadId,
     /// Whether the owning thread has let go of the cache (flushed or exited).
     retired: AtomicBool,
     mags: UnsafeCell<Mags>,
@@ -411,6 +413,7 @@ impl CacheShared {
             steal: AtomicBool::new(false),
             touched: AtomicBool::new(false),
             seen_busy: AtomicU64::new(0),
+            owner: std::thread::current().id(),
             mags: UnsafeCell::new(Mags::new(classes)),
             retired: AtomicBool::new(false),
             counters: CacheCounters::default(),
@@ -439,13 +442,18 @@ impl CacheShared {
         self.in_use.store(false, Ordering::Release);
     }
 
-    /// Whether the owner has made no operation for at least [`IDLE_AFTER_MS`], as far as
-    /// thieves have seen: a thread that sits idle, whose blocks the pool may take back
+    /// Whether the owner is the calling thread, or has made no operation for at least
+    /// [`IDLE_AFTER_MS`] as far as thieves have seen: a thread that sits idle, whose blocks the pool may take back
     /// without slowing it down. Each call clears the owner's mark and notes the time when
     /// it was set, so a working thread's cache is passed over, also while its owner is in
     /// a slow path of its own (a few looks in a row may find no new operation then). A
     /// hint: a race with the owner only makes a steal that the handshake still makes safe.
     pub fn idle(&self) -> bool {
+        // The caller's own cache (for another stream: one thread driving several) is not in
+        // use while its owner is here, and taking it contends with no one.
+        if self.owner == std::thread::current().id() {
+            return true;
+        }
         let now = idle_clock();
         if self.touched.load(Ordering::Relaxed) {
             self.touched.store(false, Ordering::Relaxed);
