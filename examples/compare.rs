@@ -63,8 +63,9 @@ const TRACES: [&str; 7] = [
     "pipeline_side_stream",
 ];
 /// Peak reserved ÷ peak live under PyTorch's caching allocator (benches/traces/README.md).
-/// None where the README's table has no figure yet: the row is left out.
-const PYTORCH_RATIO: [Option<f64>; 7] = [Some(1.160), Some(1.493), Some(1.271), None, None, None, None];
+/// None where the table has no figure: the row is left out.
+const PYTORCH_RATIO: [Option<f64>; 7] =
+    [Some(1.160), Some(1.493), Some(1.271), Some(1.977), Some(1.233), Some(2.517), Some(2.747)];
 
 /// Driver calls this program makes itself, beyond those `CudaDevice` checks: cudarc's loader
 /// panics on a missing symbol, so they are looked up before the first call.

@@ -49,3 +49,23 @@ fn resnet_varbatch_beats_pytorch() {
 fn train_gpt2_beats_pytorch() {
     check("train_gpt2", 1.271);
 }
+
+#[test]
+fn bert_dynamic_beats_pytorch() {
+    check("bert_dynamic", 1.977);
+}
+
+#[test]
+fn llama_decode_server_beats_pytorch() {
+    check("llama_decode_server", 1.233);
+}
+
+#[test]
+fn threads_streams_beats_pytorch() {
+    check("threads_streams", 2.517);
+}
+
+#[test]
+fn pipeline_side_stream_beats_pytorch() {
+    check("pipeline_side_stream", 2.747);
+}
