@@ -2,7 +2,7 @@
 //! (the same-stream handoff: the event must cover the free, or the free must wait for a
 //! later event), a cross-stream take through a device wait (the event waited on covers the
 //! free), a poller racing the device's completion of events, and the retire/event handoff
-//! of blocks used on several streams.
+//! of blocks used on several streams, and a free racing the stream's final event.
 //!
 //! A stream is modelled by its queue: an atomic counter whose `fetch_add` is an enqueue
 //! (the driver's queue lock orders enqueues the same way) and returns the position; an
@@ -119,6 +119,38 @@ fn a_device_wait_and_a_poll_never_run_ahead_of_the_freed_block_s_last_use() {
             assert!(at > last_use, "waited on an event (at {at}) before the use at {last_use}");
         }
         gpu.join().unwrap();
+    });
+}
+
+/// A free racing the stream's destruction: the block's last use was enqueued before the
+/// stream was destroyed (the user's part), and its free stamps a fence while the destroyer
+/// records the final event. Whatever the interleaving, the final event covers the fence:
+/// once it is complete the fence is, and a wait finds it. (Without `FenceLog::bounded`, a
+/// stamp read between the final number's claim and its publication is one past it, a
+/// number no event carries, and the memory is never released.)
+#[test]
+fn a_free_racing_the_final_event_is_covered_by_it() {
+    loom::model(|| {
+        let collector = Arc::new(Collector::new());
+        let log: Arc<FenceLog<Ev>> = Arc::new(FenceLog::new());
+        let queue = Arc::new(AtomicU64::new(0));
+        let done = Arc::new(AtomicBool::new(false));
+        let last_use = queue.fetch_add(1, Ordering::AcqRel);
+        let destroyer = {
+            let (log, queue, done, c) = (log.clone(), queue.clone(), done.clone(), collector.clone());
+            thread::spawn(move || {
+                let h = c.register();
+                log.finish(|| Ok::<_, ()>(record(&queue, &done)), &h.pin()).unwrap()
+            })
+        };
+        let fence = log.stamp();
+        destroyer.join().unwrap();
+        let h = collector.register();
+        let at = log.covering(fence, |e| e.at, &h.pin()).expect("the final event covers the fence");
+        assert!(at > last_use, "the covering event (at {at}) precedes the use at {last_use}");
+        done.store(true, Ordering::Release);
+        log.poll(|e| e.done.load(Ordering::Acquire), &h.pin());
+        assert!(log.is_complete(fence), "the final event is complete, fence {fence} is not");
     });
 }
 

@@ -25,6 +25,12 @@
 //! * `complete` only grows, and only to the number of an event seen complete.
 //! * After the stream is destroyed, frees stamp its final event's number: nothing new can
 //!   run on the stream, so that event covers every use of every block freed after it.
+//!   A free racing the destruction may still read `claimed` after the final number was
+//!   claimed and before it was published, and stamp one past it, a number no event will
+//!   ever carry. So once the stream is finished every stamp is read as at most the final
+//!   number ([`FenceLog::is_complete`], [`FenceLog::covering`]): that is safe because the
+//!   user enqueues nothing on a stream once they destroy it, so the final event follows
+//!   every use of every block freed on it, whatever the stamp says.
 //!
 //! # Why it is lock-free
 //!
@@ -86,7 +92,17 @@ impl<E: Send + Sync> FenceLog<E> {
     /// Whether every free stamped `seq` or less is known safe for other streams.
     #[inline]
     pub fn is_complete(&self, seq: u64) -> bool {
-        self.complete.load(Ordering::Acquire) >= seq
+        let complete = self.complete.load(Ordering::Acquire);
+        complete >= seq || complete >= self.bounded(seq)
+    }
+
+    /// `seq` read as at most the final event's number once the stream is destroyed (see the
+    /// module docs: a stamp racing the destruction may exceed it).
+    fn bounded(&self, seq: u64) -> u64 {
+        match self.final_seq.load(Ordering::Acquire) {
+            0 => seq,
+            f => seq.min(f),
+        }
     }
 
     /// The highest number of an event seen complete.
@@ -144,6 +160,7 @@ impl<E: Send + Sync> FenceLog<E> {
     /// Run `f` on the oldest recorded event whose number is `seq` or more (one that covers
     /// every free stamped `seq` or less), if there is one.
     pub fn covering<R>(&self, seq: u64, f: impl FnOnce(&E) -> R, guard: &Guard) -> Option<R> {
+        let seq = self.bounded(seq);
         let mut found = None;
         self.events.for_each(
             |r| {
@@ -228,5 +245,28 @@ mod tests {
         assert!(l.is_finished());
         assert_eq!(l.stamp(), f);
         assert_eq!(l.stamp(), f, "no work can follow the final event");
+    }
+
+    #[test]
+    fn a_stamp_racing_the_final_event_is_covered_by_it() {
+        // The free read `claimed` after the final number was claimed, before it was
+        // published: it stamped one past the final event, a number never recorded.
+        let (l, g) = (log(), epoch::pin());
+        let mut late = 0;
+        let f = l
+            .finish(
+                || {
+                    late = l.stamp();
+                    Ok::<_, ()>(AtomicBool::new(false))
+                },
+                &g,
+            )
+            .unwrap();
+        assert_eq!(late, f + 1);
+        assert!(!l.is_complete(late), "the final event is not complete yet");
+        assert!(l.covering(late, |_| (), &g).is_some(), "the final event covers the late stamp");
+        l.with_oldest(|e| e.store(true, Ordering::Release), &g);
+        assert!(l.poll(|e| e.load(Ordering::Acquire), &g));
+        assert!(l.is_complete(late), "once the final event is complete, so is every stamp");
     }
 }
