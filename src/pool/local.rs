@@ -37,12 +37,19 @@ const BORROW_CLASSES: usize = 16;
 /// stress run at its limit ran out of memory about one time in ten with two doublings).
 const BORROW_CLASSES_NEAR_LIMIT: usize = 8;
 
-/// ... and for large blocks this many (three quarters of a doubling): the extra capacity
-/// is held while the block lives, and on large blocks it shows in the footprint. On the
-/// shared traces (simulator, pages lent so busy and idle alike) none gave resnet_varbatch
-/// 1.099 peak reserved ÷ peak live and this 1.073 (with the 512 KiB threshold); none made the
-/// random window miss 7.6% of its allocations instead of 0.7% (170 ns a pair against 27).
+/// ... and for large blocks this many (three quarters of a doubling), but none while the
+/// pool grows ([`GROWTH_COLD_CALLS`]): the extra capacity is held while the block lives, and
+/// on large blocks it shows in the footprint. Without large borrowing the random window
+/// takes 250 ns a pair instead of 24 (criterion, simulator), so it stays in the steady state.
 const BORROW_CLASSES_LARGE: usize = 6;
+
+/// After the pool's peak rose, a thread's cache borrows no large block for this many of its
+/// cold-path calls. A block borrowed while the pool grows is often one that lives as long as
+/// the program (weights loaded on four streams at once borrowed 35 MiB of larger blocks on
+/// `threads_streams`: peak reserved ÷ peak live 1.083–1.105 with borrowing, 1.048–1.060
+/// without), and every byte it wastes then is a byte of the peak; in the steady state the
+/// peak stays put and borrowing only saves misses.
+const GROWTH_COLD_CALLS: u32 = 256;
 
 // The hit path looks at most this far up.
 const _: () = assert!(BORROW_CLASSES <= crate::cache::thread::REACH_MAX);
@@ -62,6 +69,12 @@ pub(crate) struct ThreadCache {
     /// Whether the cache's reach (see [`ThreadCache::within`]) was last set for a pool near
     /// its mapping limit.
     near: Cell<bool>,
+    /// Whether the reach was last set for a growing pool (no large borrowing).
+    growing: Cell<bool>,
+    /// The pool's peak mapped bytes at this cache's last cold-path call.
+    seen_peak: Cell<u64>,
+    /// Cold-path calls left before the pool counts as no longer growing.
+    growth_left: Cell<u32>,
 }
 
 impl ThreadCache {
@@ -73,16 +86,19 @@ impl ThreadCache {
             pool: Arc::clone(pool),
             stream: Arc::clone(stream),
             near: Cell::new(pool.near_limit()),
+            growing: Cell::new(true),
+            seen_peak: Cell::new(pool.pages.peak_mapped_bytes()),
+            growth_left: Cell::new(GROWTH_COLD_CALLS),
         };
         tc.set_reach();
         tc
     }
 
     /// How many classes larger than `class` an allocation of it may borrow from.
-    fn within(&self, class: usize, near_limit: bool) -> usize {
+    fn within(&self, class: usize, near_limit: bool, growing: bool) -> usize {
         let large = self.pool.config.large_block_threshold;
         if class::size_of_class(class) >= large {
-            return BORROW_CLASSES_LARGE;
+            return if growing { 0 } else { BORROW_CLASSES_LARGE };
         }
         // A small block borrows only small blocks: a large one lent to a small request is
         // held whole while it lives, which a large request then maps again (on the shared
@@ -93,11 +109,24 @@ impl ThreadCache {
 
     /// Write every class's reach into the cache for its hit path, for the pool's state now.
     fn set_reach(&self) {
-        let near = self.near.get();
+        let (near, growing) = (self.near.get(), self.growing.get());
         self.shared.enter_wait();
         // SAFETY: entered above.
-        unsafe { self.shared.set_reach(|c| self.within(c, near)) };
+        unsafe { self.shared.set_reach(|c| self.within(c, near, growing)) };
         self.shared.exit();
+    }
+
+    /// Whether the pool's peak rose within this cache's last [`GROWTH_COLD_CALLS`] cold-path
+    /// calls (this one included).
+    fn pool_growing(&self) -> bool {
+        let peak = self.pool.pages.peak_mapped_bytes();
+        if peak > self.seen_peak.get() {
+            self.seen_peak.set(peak);
+            self.growth_left.set(GROWTH_COLD_CALLS);
+        } else {
+            self.growth_left.set(self.growth_left.get().saturating_sub(1));
+        }
+        self.growth_left.get() > 0
     }
 
     /// The hit path: a block from the loaded magazine of the class or, when that is empty,
@@ -118,9 +147,10 @@ impl ThreadCache {
     #[inline(never)]
     pub(crate) fn alloc_cold(&self, bytes: usize, class: Option<usize>, site: &'static Location) -> Result<Placed> {
         let pool = &*self.pool;
-        let near = pool.near_limit();
-        if near != self.near.get() {
+        let (near, growing) = (pool.near_limit(), self.pool_growing());
+        if (near, growing) != (self.near.get(), self.growing.get()) {
             self.near.set(near);
+            self.growing.set(growing);
             self.set_reach();
         }
         let class = match class {
