@@ -43,12 +43,14 @@ const BORROW_CLASSES_NEAR_LIMIT: usize = 8;
 /// takes 250 ns a pair instead of 24 (criterion, simulator), so it stays in the steady state.
 const BORROW_CLASSES_LARGE: usize = 6;
 
-/// After the pool's peak rose, a thread's cache borrows no large block for this many of its
-/// cold-path calls. A block borrowed while the pool grows is often one that lives as long as
-/// the program (weights loaded on four streams at once borrowed 35 MiB of larger blocks on
-/// `threads_streams`: peak reserved ÷ peak live 1.083–1.105 with borrowing, 1.048–1.060
-/// without), and every byte it wastes then is a byte of the peak; in the steady state the
-/// peak stays put and borrowing only saves misses.
+/// After the pool took more of its arena than ever before (the bytes out of the space —
+/// live, cached, retiring or held by streams — at a new high), a thread's cache borrows no
+/// large block for this many of its cold-path calls. A block borrowed while the pool grows
+/// is often one that lives as long as the program (weights loaded on four streams at once
+/// borrowed 35 MiB of larger blocks on `threads_streams`: peak reserved ÷ peak live
+/// 1.083–1.105 with borrowing, 1.048–1.060 without), and every byte it wastes then is a
+/// byte of the peak, or of a reserve ([`crate::Pool::reserve`]) the pool grows into; in the
+/// steady state the high stays put and borrowing only saves misses.
 const GROWTH_COLD_CALLS: u32 = 256;
 
 // The hit path looks at most this far up.
@@ -71,8 +73,8 @@ pub(crate) struct ThreadCache {
     near: Cell<bool>,
     /// Whether the reach was last set for a growing pool (no large borrowing).
     growing: Cell<bool>,
-    /// The pool's peak mapped bytes at this cache's last cold-path call.
-    seen_peak: Cell<u64>,
+    /// The most bytes out of the pool's space this cache has seen.
+    seen_held: Cell<u64>,
     /// Cold-path calls left before the pool counts as no longer growing.
     growth_left: Cell<u32>,
 }
@@ -87,7 +89,7 @@ impl ThreadCache {
             stream: Arc::clone(stream),
             near: Cell::new(pool.near_limit()),
             growing: Cell::new(true),
-            seen_peak: Cell::new(pool.pages.peak_mapped_bytes()),
+            seen_held: Cell::new(pool.space_held()),
             growth_left: Cell::new(GROWTH_COLD_CALLS),
         };
         tc.set_reach();
@@ -116,12 +118,12 @@ impl ThreadCache {
         self.shared.exit();
     }
 
-    /// Whether the pool's peak rose within this cache's last [`GROWTH_COLD_CALLS`] cold-path
-    /// calls (this one included).
+    /// Whether the bytes out of the pool's space reached a new high (for this cache) within
+    /// its last [`GROWTH_COLD_CALLS`] cold-path calls (this one included).
     fn pool_growing(&self) -> bool {
-        let peak = self.pool.pages.peak_mapped_bytes();
-        if peak > self.seen_peak.get() {
-            self.seen_peak.set(peak);
+        let held = self.pool.space_held();
+        if held > self.seen_held.get() {
+            self.seen_held.set(held);
             self.growth_left.set(GROWTH_COLD_CALLS);
         } else {
             self.growth_left.set(self.growth_left.get().saturating_sub(1));

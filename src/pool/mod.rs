@@ -552,6 +552,11 @@ impl PoolInner {
         self.cache_budget.give(have - keep);
     }
 
+    /// Bytes out of the space: live, cached, retiring, or in chunks streams hold (one load).
+    pub(crate) fn space_held(&self) -> u64 {
+        self.space.len() - self.space.free_bytes()
+    }
+
     /// Whether the pool has mapped more than seven eighths of what it may.
     pub(crate) fn near_limit(&self) -> bool {
         self.pages.mapped_bytes() > self.max_reserved - self.max_reserved / 8
