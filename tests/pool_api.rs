@@ -140,6 +140,44 @@ fn another_stream_does_not_get_memory_freed_on_a_stream_that_has_not_reached_the
 }
 
 #[test]
+fn a_block_used_on_a_busy_stream_serves_the_next_request_behind_a_device_wait() {
+    // Freed while its other stream is still busy, a `record_stream` block's memory goes to
+    // the next request of its stream once that stream waits for the busy one on the device:
+    // rather than new pages, and without the host waiting.
+    let (dev, pool, s) = pool(1 << 30);
+    let copy = dev.new_stream().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    dev.enqueue(&copy, move || {
+        let _ = rx.recv();
+    })
+    .unwrap();
+    const BIG: usize = 96 << 20;
+    let a = pool.alloc(BIG, &s).unwrap();
+    let addr = a.device_ptr();
+    a.record_stream(&copy);
+    drop(a);
+    let waits = pool.stats().device_waits;
+    let b = pool.alloc(BIG, &s).unwrap();
+    let st = pool.stats();
+    assert_eq!(b.device_ptr(), addr, "the retiring block's memory, not new pages ({st:?})");
+    assert_eq!(st.reserved_bytes, BIG as u64, "no page mapped for the second block");
+    assert!(st.device_waits > waits, "the stream waits for the copy stream on the device");
+    // Work on `s` after the new block runs only once the copy stream is past the old use.
+    let ran = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = ran.clone();
+    dev.enqueue(&s, move || flag.store(true, std::sync::atomic::Ordering::Release)).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert!(!ran.load(std::sync::atomic::Ordering::Acquire), "ran before the copy stream's work");
+    drop(tx);
+    dev.synchronize(&s).unwrap();
+    assert!(ran.load(std::sync::atomic::Ordering::Acquire));
+    drop(b);
+    pool.trim().unwrap();
+    pool.check().unwrap();
+    assert_eq!(pool.stats().reserved_bytes, 0);
+}
+
+#[test]
 fn pool_stream_and_block_are_send_and_sync_as_promised() {
     fn send_sync<T: Send + Sync>() {}
     fn send<T: Send>() {}

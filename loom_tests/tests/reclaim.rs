@@ -2,7 +2,8 @@
 //! (the same-stream handoff: the event must cover the free, or the free must wait for a
 //! later event), a cross-stream take through a device wait (the event waited on covers the
 //! free), a poller racing the device's completion of events, and the retire/event handoff
-//! of blocks used on several streams, and a free racing the stream's final event.
+//! of blocks used on several streams (released by a poller, or taken early behind a device
+//! wait), and a free racing the stream's final event.
 //!
 //! A stream is modelled by its queue: an atomic counter whose `fetch_add` is an enqueue
 //! (the driver's queue lock orders enqueues the same way) and returns the position; an
@@ -205,6 +206,60 @@ fn a_batch_is_released_once_and_only_after_its_event_completes() {
         n += poller.join().unwrap();
         r.poll(|e| e.load(Ordering::Acquire), |_| n += 1, &h.pin());
         assert_eq!(n, 2, "each span released exactly once");
+        assert_eq!(r.pending_bytes(), 0);
+    });
+}
+
+/// Rung 6's early take of a block used on several streams: a thread whose stream needs
+/// memory takes the oldest batch before its event completes, making its stream wait on the
+/// event on the device first, while a poller races to release the same batch once the
+/// "GPU" completes it. Each span is released exactly once, and never while the GPU uses it
+/// unless the thread it went to had its stream wait. (Take the wait out of `take` and loom
+/// finds the release of memory still in use.)
+#[test]
+fn a_retiring_batch_taken_early_goes_once_and_only_behind_a_device_wait() {
+    loom::model(|| {
+        let collector = Arc::new(Collector::new());
+        let r: Arc<Retire<Arc<AtomicBool>>> = Arc::new(Retire::new());
+        let gpu_done = Arc::new(AtomicBool::new(false));
+        let in_use = Arc::new(AtomicBool::new(true));
+        {
+            let h = collector.register();
+            r.queue_batch(Some(gpu_done.clone()), vec![span(0)], &h.pin());
+        }
+        let gpu = {
+            let (done, in_use) = (gpu_done.clone(), in_use.clone());
+            thread::spawn(move || {
+                in_use.store(false, Ordering::Relaxed);
+                done.store(true, Ordering::Release);
+            })
+        };
+        let poller = {
+            let (r, c, in_use) = (r.clone(), collector.clone(), in_use.clone());
+            thread::spawn(move || poll_checked(&r, &in_use, &c.register()))
+        };
+        let h = collector.register();
+        // The taker's stream: whether it waits on the batch's event (on the device).
+        let waited = std::cell::Cell::new(false);
+        let mut n = 0;
+        r.take_while(
+            |b| {
+                if !b.event().is_some_and(|e| e.load(Ordering::Acquire)) {
+                    waited.set(true);
+                }
+                true
+            },
+            |_| {
+                assert!(waited.get() || !in_use.load(Ordering::Relaxed), "taken in use with no device wait");
+                n += 1;
+            },
+            u64::MAX,
+            &h.pin(),
+        );
+        gpu.join().unwrap();
+        n += poller.join().unwrap();
+        r.poll(|e| e.load(Ordering::Acquire), |_| n += 1, &h.pin());
+        assert_eq!(n, 1, "the span released exactly once");
         assert_eq!(r.pending_bytes(), 0);
     });
 }

@@ -185,6 +185,52 @@ impl PoolInner {
         settled || b > 0
     }
 
+    /// Rung 6, for blocks used on several streams: the oldest such blocks go to `st` before
+    /// their events are seen complete, with `st`'s stream made to wait on each of their
+    /// events on the device; their memory goes back as if `st` had freed it (its fence), so
+    /// `st` reuses it at once and other streams only after `st`'s next event, which follows
+    /// the waits. Only blocks that are large or lie in a chunk `st` holds: a small block goes
+    /// back to its chunk's stream, which did not wait. Takes batches until `target` bytes
+    /// have gone or the oldest cannot go; returns whether any went.
+    pub(crate) fn take_retiring(&self, st: &StreamState, target: u64) -> bool {
+        let dev = &self.device;
+        if self.cross.pending_bytes() == 0 || dev.is_capturing(&st.stream).unwrap_or(true) {
+            return false;
+        }
+        let broken = self.config.break_event_guard_for_tests;
+        let mut waits = 0;
+        let mut take = |batch: &crate::reclaim::Batch<Vec<crate::device::Event>>| {
+            let mut mine = true;
+            batch.for_each_span(|s| {
+                mine &= self.space.is_large(s.size) || self.space.owner(s.addr).is_some_and(|(slot, _)| slot == st.slot)
+            });
+            // The broken guard (a test switch) lets the memory cross unguarded.
+            mine && (broken
+                || batch.event().is_none_or(|evs| {
+                    evs.iter().all(|ev| {
+                        dev.query_event(ev).unwrap_or(false) || {
+                            let ok = dev.stream_wait_event(&st.stream, ev).is_ok();
+                            waits += u64::from(ok);
+                            ok
+                        }
+                    })
+                }))
+        };
+        let (batches, bytes) = self.cross.take_while(&mut take, |span| self.release(st, span), target, &epoch::pin());
+        Counters::bump(&self.counters.device_waits, waits);
+        Counters::bump(&self.counters.batches_retired, batches);
+        if batches > 0 {
+            tracing::debug!(
+                stream = st.stream.id(),
+                batches,
+                bytes,
+                waits,
+                "retiring blocks taken behind device waits"
+            );
+        }
+        batches > 0
+    }
+
     /// The host waits, once per stream, for the work enqueued so far on each stream that
     /// `wanted` names (recording an event there first if it has none), and for the oldest
     /// batch of blocks used on several streams; then polls. The last resort before running

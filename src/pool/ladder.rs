@@ -19,7 +19,8 @@
 //!    and try again with what is ready.
 //! 6. **Device waits**: memory other streams freed whose events are not complete yet, with
 //!    this stream made to wait on those events on the device (`stream_wait_event`, as
-//!    `cuMemAllocAsync` does). Only here, where the alternative is to grow: a wait orders
+//!    `cuMemAllocAsync` does); then the oldest blocks used on several streams
+//!    (`record_stream`), taken before their events complete behind waits on all of them. Only here, where the alternative is to grow: a wait orders
 //!    two streams, which servers want to run independently. `PoolConfig::cross_stream_waits`
 //!    turns it off.
 //! 7. **Map past the peak**, up to `max_reserved`; with `trade_pages_on_map`, wholly free
@@ -87,8 +88,14 @@ impl PoolInner {
         // 6.
         tracing::debug!("rung 6: device waits");
         if self.config.cross_stream_waits {
-            if let Some(a) = self.place(st, size, Mode { reuse: Reuse::Wait, mapping: Mapping::Forbidden })? {
+            let waiting = Mode { reuse: Reuse::Wait, mapping: Mapping::Forbidden };
+            if let Some(a) = self.place(st, size, waiting)? {
                 return Ok(a);
+            }
+            if self.take_retiring(st, size.saturating_mul(2)) {
+                if let Some(a) = self.place(st, size, waiting)? {
+                    return Ok(a);
+                }
             }
         }
         // 7.

@@ -108,18 +108,27 @@ impl<E: Send + Sync> Retire<E> {
 
     /// Release every batch, oldest first, whose event `complete` says is done; stop at the
     /// first that is not. Each released span goes to `release`. Returns (batches, bytes).
-    pub fn poll(
+    pub fn poll(&self, mut complete: impl FnMut(&E) -> bool, release: impl FnMut(Span), guard: &Guard) -> (u64, u64) {
+        self.take_while(|b| b.event.as_ref().is_none_or(&mut complete), release, u64::MAX, guard)
+    }
+
+    /// Release batches, oldest first, while `take` passes the oldest and fewer than `until`
+    /// bytes have gone. `take` may run on a batch that another thread then pops (it must
+    /// leave the batch as it found it); each span goes to `release` once, in the thread that
+    /// popped its batch. Returns (batches, bytes).
+    pub fn take_while(
         &self,
-        mut complete: impl FnMut(&E) -> bool,
+        mut take: impl FnMut(&Batch<E>) -> bool,
         mut release: impl FnMut(Span),
+        until: u64,
         guard: &Guard,
     ) -> (u64, u64) {
         let (mut batches, mut bytes) = (0, 0);
-        loop {
+        while bytes < until {
             let taken = self.pending.pop_if(
-                |b| b.event.as_ref().is_none_or(&mut complete),
+                &mut take,
                 |b| {
-                    // SAFETY: `take` runs only in the thread whose pop succeeded, once.
+                    // SAFETY: `take_spans` runs only in the thread whose pop succeeded, once.
                     (unsafe { b.take_spans() }, b.bytes)
                 },
                 guard,
@@ -197,5 +206,19 @@ mod tests {
         assert_eq!(r.poll(|e| e.load(Ordering::Acquire), |_| {}, &g).0, 0);
         r.with_oldest_event(|e| e.store(true, Ordering::Release), &g);
         assert_eq!(r.poll(|e| e.load(Ordering::Acquire), |_| {}, &g), (2, 512));
+    }
+
+    #[test]
+    fn an_early_take_stops_once_it_has_the_bytes_it_wants_or_at_a_batch_it_refuses() {
+        let r: Retire<AtomicBool> = Retire::new();
+        let g = epoch::pin();
+        for a in 0..4 {
+            r.queue_batch(Some(AtomicBool::new(false)), vec![span(a * 256)], &g);
+        }
+        let mut out = vec![];
+        assert_eq!(r.take_while(|_| true, |s| out.push(s.addr), 300, &g), (2, 512), "two batches reach 300 bytes");
+        assert_eq!(out, vec![0, 256], "oldest first");
+        assert_eq!(r.take_while(|b| b.bytes() > 256, |_| {}, u64::MAX, &g), (0, 0), "the oldest is refused");
+        assert_eq!(r.pending_bytes(), 512);
     }
 }
