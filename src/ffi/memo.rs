@@ -14,6 +14,7 @@ use std::cell::{Cell, RefCell};
 use std::ptr;
 
 use super::device::{self, AbiDevice};
+use crate::cache::thread::CacheShared;
 use crate::device::StreamId;
 use crate::live::{Owner, TableView};
 use crate::pool::PoolInner;
@@ -49,6 +50,8 @@ pub(crate) struct Memo {
     /// This thread's cache for (`dev`'s pool, `rec`'s stream), held by [`CACHES`]; null
     /// where the thread may have none (inside a host function, exiting).
     pub(crate) cache: Cell<*const StreamCache>,
+    /// `cache`'s shared part, which the free hot path pushes to directly (null with it).
+    pub(crate) shared: Cell<*const CacheShared>,
     /// This thread's owner index (0: none).
     pub(crate) owner: Cell<usize>,
     pub(crate) owner_rec: Cell<*const Owner>,
@@ -72,6 +75,7 @@ impl Memo {
             token: Cell::new(0),
             token_bits: Cell::new(0),
             cache: Cell::new(ptr::null()),
+            shared: Cell::new(ptr::null()),
             owner: Cell::new(0),
             owner_rec: Cell::new(ptr::null()),
             owner_tried: Cell::new(false),
@@ -88,6 +92,8 @@ impl Memo {
     pub(crate) fn remember(&self, device: i64, raw: u64, key: u64, dev: &'static AbiDevice, rec: &StreamRec) {
         let cache = cache_for(device, key, dev, rec);
         self.cache.set(cache);
+        // SAFETY: a non-null cache is held by `CACHES`, as the memo's docs say.
+        self.shared.set(if cache.is_null() { ptr::null() } else { unsafe { (*cache).shared() } });
         self.device.set(device);
         self.raw.set(raw);
         self.key.set(key);
@@ -134,6 +140,7 @@ impl Memo {
         self.device.set(NOT_NAMED);
         self.alloc_device.set(NOT_NAMED);
         self.cache.set(ptr::null());
+        self.shared.set(ptr::null());
     }
 
     /// Forget the owner record: no owner window may open after this.
@@ -180,6 +187,7 @@ impl Drop for Caches {
     fn drop(&mut self) {
         let _ = MEMO.try_with(|m| {
             m.cache.set(ptr::null());
+            m.shared.set(ptr::null());
             m.alloc_device.set(NOT_NAMED);
         });
     }

@@ -62,6 +62,7 @@ use std::ptr::NonNull;
 use libc::{size_t, ssize_t};
 
 use crate::live::{Refusal, Settled, Words};
+use crate::pool::NO_CLASS;
 use crate::registry::{self, StreamRec};
 use crate::{Block, Error};
 use device::AbiDevice;
@@ -257,10 +258,25 @@ fn malloc_hit(m: &memo::Memo, size: usize, device: c_int, raw: u64) -> Option<*m
     if m.alloc_device.get() != device as i64 || m.raw.get() != raw {
         return None;
     }
-    // SAFETY: `alloc_device` names the device only with a cache, which the thread's
-    // `CACHES` holds until it clears the memo.
-    let cache = unsafe { &*m.cache.get() };
-    Some(match cache.alloc(size) {
+    // SAFETY: `alloc_device` names the device only with a cache (and its shared part),
+    // which the thread's `CACHES` holds until it clears the memo.
+    let (cache, shared) = unsafe { (&*m.cache.get(), &*m.shared.get()) };
+    // The hit alone here, everything else out of line: the hot path stays a small leaf.
+    match crate::pool::try_alloc_hit(shared, size) {
+        Some((addr, size_class)) => {
+            let info = size as u64 | m.token_bits.get();
+            m.table.get().publish_at(addr, m.owner.get(), Words { info, size: size_class, ext: false });
+            Some(addr as *mut c_void)
+        }
+        None => Some(malloc_miss(m, cache, size)),
+    }
+}
+
+/// [`malloc_hit`] past the loaded magazines: the cache's whole path.
+#[cold]
+#[inline(never)]
+fn malloc_miss(m: &memo::Memo, cache: &crate::StreamCache, size: usize) -> *mut c_void {
+    match cache.alloc(size) {
         Ok(block) => {
             // `size` packs (checked by the caller): the block goes to its slot as it is.
             let (addr, len, size_class) = words::view(&block);
@@ -271,12 +287,12 @@ fn malloc_hit(m: &memo::Memo, size: usize, device: c_int, raw: u64) -> Option<*m
         }
         // SAFETY: the memo names a device, which lives for ever.
         Err(e) => malloc_failed(unsafe { &*m.dev.get() }, m, size, e),
-    })
+    }
 }
 
 /// CUDA's memo path: as [`malloc_hit`], once the handle's key (one driver call) shows it
 /// still names the memo's stream; through the pool (its memo finds the same cache), so that
-/// [`malloc_hit`] stays the one caller of `StreamCache::alloc`, which the compiler then
+/// [`malloc_miss`] stays the one caller of `StreamCache::alloc`, which the compiler then
 /// inlines into it.
 fn malloc_hit_cuda(m: &memo::Memo, size: usize, device: c_int, raw: u64) -> Option<*mut c_void> {
     if !m.names(device as i64, raw) || m.cache.get().is_null() {
@@ -423,12 +439,16 @@ fn free(addr: u64, size: ssize_t, device: c_int, raw: u64) {
         let info = len | m.token_bits.get();
         match table.free_owned(idx, mine, m.owner.get(), info) {
             Some(size_class) => {
-                // SAFETY: the memo names a device, whose pool pointer is never null.
-                let pool = unsafe { NonNull::new_unchecked(m.pool.get().cast_mut()) };
-                let parts = Parts { addr, len, size_class, stream: m.stream_id.get(), pool };
-                // SAFETY: the slot held these parts (its info word matched the memo's
-                // stream, whose id this is), and the owner's free took it from live to free.
-                drop(unsafe { words::rebuild(parts) });
+                // The thread's cache for the block's stream (the slot's info word named the
+                // memo's stream) takes it as the block's own drop would, without making
+                // the block and finding the cache again.
+                let shared = m.shared.get();
+                let (class, size) = (size_class & NO_CLASS, size_class & !NO_CLASS);
+                // SAFETY: a non-null `shared` is held by the thread's `CACHES` (memo docs).
+                if !shared.is_null() && unsafe { &*shared }.try_push_fast(class as usize, size, addr) {
+                    return true;
+                }
+                free_freed(m, addr, len, size_class);
                 true
             }
             None => false,
@@ -437,6 +457,19 @@ fn free(addr: u64, size: ssize_t, device: c_int, raw: u64) {
     if done != Ok(true) {
         free_slow(addr, size, device, raw);
     }
+}
+
+/// The rest of a hot-path free whose block the cache's hit path could not take: the block
+/// made again and dropped (its whole path). Out of line, so the hot path stays small.
+#[cold]
+#[inline(never)]
+fn free_freed(m: &memo::Memo, addr: u64, len: u64, size_class: u64) {
+    // SAFETY: the memo names a device, whose pool pointer is never null.
+    let pool = unsafe { NonNull::new_unchecked(m.pool.get().cast_mut()) };
+    let parts = Parts { addr, len, size_class, stream: m.stream_id.get(), pool };
+    // SAFETY: the slot held these parts (its info word matched the memo's stream, whose id
+    // this is), and the owner's free took it from live to free.
+    drop(unsafe { words::rebuild(parts) });
 }
 
 #[cold]

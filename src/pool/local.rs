@@ -351,6 +351,11 @@ impl StreamCache {
         self.tc.alloc(bytes)
     }
 
+    /// The cache's shared part (for the C ABI's free hot path), alive as long as `self`.
+    pub(crate) fn shared(&self) -> &CacheShared {
+        &self.tc.shared
+    }
+
     /// The stream this cache serves.
     pub fn stream(&self) -> &Stream {
         &self.tc.stream.stream
@@ -537,6 +542,16 @@ fn alloc_through<'a>(
         None => cold(class)?,
     };
     Ok(Block::new(pool, stream, bytes, at))
+}
+
+/// The hit path alone, for the C ABI's: a block of `bytes`'s class (or a larger one within
+/// reach) from `shared`'s loaded magazines, as (address, size-and-class word); None where
+/// the cache's whole path would go further (nothing is done then).
+#[inline(always)]
+pub(crate) fn try_alloc_hit(shared: &CacheShared, bytes: usize) -> Option<(u64, u64)> {
+    let class = class::class_of(bytes as u64)?;
+    let at = Placed::taken(shared.try_pop_fast(class, class::size_of_class(class))?);
+    Some((at.addr, at.size_class))
 }
 
 /// Everything [`alloc`]'s hit path does not do: find (or make) the cache, then its cold path.

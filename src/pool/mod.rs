@@ -42,7 +42,9 @@ mod snapshot;
 mod streams;
 
 pub use block::Block;
+pub(crate) use block::NO_CLASS;
 pub use leaks::Leak;
+pub(crate) use local::try_alloc_hit;
 pub use local::StreamCache;
 pub(crate) use place::KEEP_FREE_CHUNKS;
 pub use snapshot::{BlockState, Extent, Segment, Snapshot};
