@@ -309,13 +309,13 @@ impl PoolInner {
         };
         let lend = mode.mapping == Mapping::Allowed && self.config.trade_pages_on_map && self.device.can_alias();
         let mut tries = 0;
-        let addr = loop {
+        let (addr, held) = loop {
             let got =
                 if chunk { self.space.alloc_chunk(&mut accept) } else { self.space.alloc_large(size, &mut accept) };
             let Some(addr) = got else { return Ok(None) };
             let mut map = Pager { pool: self, st, limit, lend };
             match self.pages.acquire(addr, size, mode.mapping != Mapping::Forbidden, &mut map) {
-                Ok(()) => break addr,
+                Ok(()) => {}
                 Err(why) => {
                     self.space.give_back(addr, size);
                     match why {
@@ -323,7 +323,10 @@ impl PoolInner {
                         // thread took its memory's page meanwhile): walk again, which now
                         // passes over it, rather than fail the rung (the last one unmaps
                         // every free page).
-                        Acquire::Lent if tries < CLAIM_TRIES => tries += 1,
+                        Acquire::Lent if tries < CLAIM_TRIES => {
+                            tries += 1;
+                            continue;
+                        }
                         Acquire::NeedsMap | Acquire::Lent => return Ok(None),
                         // Over budget, or the device itself is out of memory: the next rung.
                         Acquire::Failed(Error::OutOfMemory(_)) | Acquire::Failed(Error::Device { code: 2, .. }) => {
@@ -333,16 +336,47 @@ impl PoolInner {
                     }
                 }
             }
+            match self.judge_held(st, addr, size, mode.reuse) {
+                Some(held) => break (addr, held),
+                None => {
+                    self.pages.release(addr, size);
+                    self.space.give_back(addr, size);
+                    if tries < CLAIM_TRIES {
+                        tries += 1;
+                        continue;
+                    }
+                    return Ok(None);
+                }
+            }
         };
-        if !judge.waits.is_empty() && !judge.settle(st) {
+        if !held.waits.is_empty() && !held.settle(st) {
             self.pages.release(addr, size);
             self.space.give_back(addr, size);
             return Ok(None);
         }
-        if judge.own {
+        if held.own {
             Counters::bump(&self.counters.same_stream_reuses, 1);
         }
         Ok(Some(addr))
+    }
+
+    /// The fences of a block whose pages this placement now holds, judged again: the memory
+    /// under it is fixed from here (a held page is neither lent nor switched), but between
+    /// the walk and the claim another placement's loan (onto a page unmapped at the walk) or
+    /// switch back (onto a lent page) may have put memory with another history under
+    /// granules the walk judged. Incomplete fences of other streams are taken with a device
+    /// wait where the pool allows them (a loan may have set up the same wait already: a
+    /// second one costs nothing); else the placement fails. The judge, with the waits to
+    /// set up, or None.
+    fn judge_held(&self, st: &StreamState, addr: u64, size: u64, reuse: Reuse) -> Option<Judge<'_>> {
+        let reuse = if self.config.cross_stream_waits { Reuse::Wait } else { reuse };
+        let mut judge = Judge::new(self, st.slot, reuse);
+        let mut ok = true;
+        self.space.fences(addr, size, |_, w| {
+            ok = judge.fence_ok(w);
+            ok
+        });
+        ok.then_some(judge)
     }
 
     /// Lend the memory of wholly free pages to the `len` bytes at `to`, which a placement for
