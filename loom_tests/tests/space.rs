@@ -1,6 +1,8 @@
 //! loom models of the address space's handoffs: a stream's take of its own free memory
-//! racing the return of the chunk that holds it, and a free's fence racing another stream's
-//! claim of the same granules (the claimer must see the fence, or not get the memory).
+//! racing the return of the chunk that holds it, a free's fence racing another stream's
+//! claim of the same granules (the claimer must see the fence, or not get the memory), and a
+//! page loan racing a placement that claimed part of the borrowing page before it was mapped
+//! (the placement must read the loaned memory's fences once it holds the page).
 //!
 //! Tiny configurations (a stream arena of one 2 MiB chunk; a space of two chunks) and two
 //! threads:
@@ -8,9 +10,11 @@
 //! `RUSTFLAGS="--cfg loom --cfg crossbeam_loom" LOOM_MAX_PREEMPTIONS=2 cargo test -p loom_tests --release --test space`
 #![cfg(loom)]
 
+use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::sync::Arc;
 use loom::thread;
-use vrampool::arena::{fence_word, Space, StreamArena, CHUNK, GRANULE};
+use vrampool::arena::pages::Backing;
+use vrampool::arena::{fence_word, PageMap, Space, StreamArena, CHUNK, GRANULE};
 
 const BASE: u64 = 1 << 30;
 
@@ -73,6 +77,67 @@ fn a_claim_of_freed_granules_sees_the_fence_of_their_free() {
         freer.join().unwrap();
         if got == Some(a) {
             assert_eq!(seen, Some(fence), "the freed granule was claimed without its fence");
+        }
+    });
+}
+
+/// The fences of the granules at `[addr, addr + len)`.
+fn fences_of(s: &Space, addr: u64, len: u64) -> Vec<u64> {
+    let mut v = Vec::new();
+    s.fences(addr, len, |_, w| {
+        v.push(w);
+        true
+    });
+    v
+}
+
+/// Page 0 is unmapped, its granules never used (fence 0); page 1 is mapped and free, its
+/// memory last used by stream 2's work not yet seen complete. A placement of stream 1 has
+/// claimed granules of page 0 and judged their fences at its walk (clean); before it
+/// acquires the page, another placement's acquire of page 0 may lend page 1's memory there,
+/// carrying its fences over. Whenever the memory under page 0 is the loaned one, the first
+/// placement reads the loan's fences once its acquire returns: judging after the acquire
+/// (`judge_held`) sees the history, where the walk's judgement alone (the clean `walk`
+/// below) handed out memory still in use.
+#[test]
+fn a_loan_onto_a_page_shows_its_history_to_a_placement_that_claimed_it_before() {
+    loom::model(|| {
+        let (page, target, lender) = (CHUNK, BASE, BASE + CHUNK);
+        let s = Arc::new(Space::new(BASE, 2 * page, page).unwrap());
+        let m = Arc::new(PageMap::new(BASE, 2 * page, page).unwrap());
+        let busy = fence_word(2, 5);
+        let at_lender = s.alloc_large(page, &mut |a, l| if a == lender { Ok(()) } else { Err(a + l - 1) });
+        assert_eq!(at_lender, Some(lender));
+        m.acquire(lender, page, true, &mut |_, _| Ok(Backing::Fresh)).unwrap();
+        assert!(s.free(lender, page, busy));
+        assert!(m.release(lender, page));
+        // The first placement's walk, before the other placement starts.
+        let walk = fences_of(&s, target, GRANULE);
+        assert_eq!(walk, [0], "the walk judged an unused page");
+        let lent = Arc::new(AtomicBool::new(false));
+        let other = {
+            let (s, m, lent) = (s.clone(), m.clone(), lent.clone());
+            thread::spawn(move || {
+                let (s2, m2) = (s.clone(), m.clone());
+                m.acquire(target + page / 2, GRANULE, true, &mut |to, len| {
+                    let mut alias = |from: u64, to: u64, l: usize| {
+                        s2.copy_fences(from, to, l as u64);
+                        Ok(())
+                    };
+                    if m2.lend(to, len, &mut |_, _| true, &mut alias) {
+                        lent.store(true, Ordering::Release);
+                        return Ok(Backing::Lent);
+                    }
+                    Ok(Backing::Fresh)
+                })
+                .unwrap();
+            })
+        };
+        m.acquire(target, GRANULE, true, &mut |_, _| Ok(Backing::Fresh)).unwrap();
+        let held = fences_of(&s, target, GRANULE);
+        other.join().unwrap();
+        if lent.load(Ordering::Acquire) {
+            assert_eq!(held, [busy], "the loaned memory's history was not there once the page was held");
         }
     });
 }
