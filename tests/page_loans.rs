@@ -20,16 +20,9 @@ use vrampool::{Block, Device, Pool, PoolConfig, SimDevice};
 /// Where the pattern is written and checked: one word every 64 KiB (a page is 2 MiB).
 const STRIDE: u64 = 64 << 10;
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
+#[path = "support/xorshift.rs"]
+mod xorshift;
+use xorshift::Rng;
 
 /// Wrong blocks seen by host functions, and the first one's description.
 #[derive(Default)]

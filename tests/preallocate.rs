@@ -7,14 +7,11 @@
 
 use vrampool::{Pool, PoolConfig, SimDevice};
 
-struct Rng(u64);
+#[path = "support/xorshift.rs"]
+mod xorshift;
+use xorshift::Rng;
+
 impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
     /// Log-uniform 256 B – 8 MiB.
     fn size(&mut self) -> usize {
         let bits = 8 + self.next() % 16;

@@ -174,39 +174,62 @@ fn poll_checked(r: &Retire<Arc<AtomicBool>>, in_use: &AtomicBool, h: &LocalHandl
     n
 }
 
-/// The retire/event handoff of blocks used on several streams: a poller never releases a
-/// batch before its event completes, two pollers racing release each batch exactly once,
-/// and once the event is complete a final poll releases everything.
-#[test]
-fn a_batch_is_released_once_and_only_after_its_event_completes() {
-    loom::model(|| {
+/// One batch of `spans` behind an event the "GPU" thread sets once it stops using their
+/// memory, and a poller thread racing to release it ([`poll_checked`]).
+struct Race {
+    collector: Arc<Collector>,
+    r: Arc<Retire<Arc<AtomicBool>>>,
+    /// Memory the "GPU" still uses until it sets the event: releasing before must not happen.
+    in_use: Arc<AtomicBool>,
+    gpu: thread::JoinHandle<()>,
+    poller: thread::JoinHandle<usize>,
+}
+
+impl Race {
+    fn start(spans: Vec<Span>) -> Race {
         let collector = Arc::new(Collector::new());
         let r: Arc<Retire<Arc<AtomicBool>>> = Arc::new(Retire::new());
         let gpu_done = Arc::new(AtomicBool::new(false));
-        // Memory the "GPU" still uses until it sets the event: releasing before must not happen.
         let in_use = Arc::new(AtomicBool::new(true));
         {
             let h = collector.register();
-            r.queue_batch(Some(gpu_done.clone()), vec![span(0), span(256)], &h.pin());
+            r.queue_batch(Some(gpu_done.clone()), spans, &h.pin());
         }
         let gpu = {
-            let (done, in_use) = (gpu_done.clone(), in_use.clone());
+            let in_use = in_use.clone();
             thread::spawn(move || {
                 in_use.store(false, Ordering::Relaxed);
-                done.store(true, Ordering::Release);
+                gpu_done.store(true, Ordering::Release);
             })
         };
         let poller = {
             let (r, c, in_use) = (r.clone(), collector.clone(), in_use.clone());
             thread::spawn(move || poll_checked(&r, &in_use, &c.register()))
         };
-        let h = collector.register();
-        let mut n = poll_checked(&r, &in_use, &h);
-        gpu.join().unwrap();
-        n += poller.join().unwrap();
-        r.poll(|e| e.load(Ordering::Acquire), |_| n += 1, &h.pin());
-        assert_eq!(n, 2, "each span released exactly once");
-        assert_eq!(r.pending_bytes(), 0);
+        Race { collector, r, in_use, gpu, poller }
+    }
+
+    /// Join both threads, poll once more after the event, and return every span released:
+    /// `n` by the caller, the poller's, and the last poll's. Nothing may be left pending.
+    fn finish(self, h: &LocalHandle, mut n: usize) -> usize {
+        self.gpu.join().unwrap();
+        n += self.poller.join().unwrap();
+        self.r.poll(|e| e.load(Ordering::Acquire), |_| n += 1, &h.pin());
+        assert_eq!(self.r.pending_bytes(), 0);
+        n
+    }
+}
+
+/// The retire/event handoff of blocks used on several streams: a poller never releases a
+/// batch before its event completes, two pollers racing release each batch exactly once,
+/// and once the event is complete a final poll releases everything.
+#[test]
+fn a_batch_is_released_once_and_only_after_its_event_completes() {
+    loom::model(|| {
+        let race = Race::start(vec![span(0), span(256)]);
+        let h = race.collector.register();
+        let n = poll_checked(&race.r, &race.in_use, &h);
+        assert_eq!(race.finish(&h, n), 2, "each span released exactly once");
     });
 }
 
@@ -219,30 +242,12 @@ fn a_batch_is_released_once_and_only_after_its_event_completes() {
 #[test]
 fn a_retiring_batch_taken_early_goes_once_and_only_behind_a_device_wait() {
     loom::model(|| {
-        let collector = Arc::new(Collector::new());
-        let r: Arc<Retire<Arc<AtomicBool>>> = Arc::new(Retire::new());
-        let gpu_done = Arc::new(AtomicBool::new(false));
-        let in_use = Arc::new(AtomicBool::new(true));
-        {
-            let h = collector.register();
-            r.queue_batch(Some(gpu_done.clone()), vec![span(0)], &h.pin());
-        }
-        let gpu = {
-            let (done, in_use) = (gpu_done.clone(), in_use.clone());
-            thread::spawn(move || {
-                in_use.store(false, Ordering::Relaxed);
-                done.store(true, Ordering::Release);
-            })
-        };
-        let poller = {
-            let (r, c, in_use) = (r.clone(), collector.clone(), in_use.clone());
-            thread::spawn(move || poll_checked(&r, &in_use, &c.register()))
-        };
-        let h = collector.register();
+        let race = Race::start(vec![span(0)]);
+        let h = race.collector.register();
         // The taker's stream: whether it waits on the batch's event (on the device).
         let waited = std::cell::Cell::new(false);
         let mut n = 0;
-        r.take_while(
+        race.r.take_while(
             |b| {
                 if !b.event().is_some_and(|e| e.load(Ordering::Acquire)) {
                     waited.set(true);
@@ -250,16 +255,12 @@ fn a_retiring_batch_taken_early_goes_once_and_only_behind_a_device_wait() {
                 true
             },
             |_| {
-                assert!(waited.get() || !in_use.load(Ordering::Relaxed), "taken in use with no device wait");
+                assert!(waited.get() || !race.in_use.load(Ordering::Relaxed), "taken in use with no device wait");
                 n += 1;
             },
             u64::MAX,
             &h.pin(),
         );
-        gpu.join().unwrap();
-        n += poller.join().unwrap();
-        r.poll(|e| e.load(Ordering::Acquire), |_| n += 1, &h.pin());
-        assert_eq!(n, 1, "the span released exactly once");
-        assert_eq!(r.pending_bytes(), 0);
+        assert_eq!(race.finish(&h, n), 1, "the span released exactly once");
     });
 }

@@ -602,6 +602,37 @@ impl std::fmt::Debug for CudaDevice {
     }
 }
 
+impl CudaDevice {
+    /// Map the allocation `handle` (one reference to it, which this call gives up) at
+    /// `[addr, addr + bytes)` and grant read-write access there; the mapping keeps the memory
+    /// alive. Nothing is left mapped if access cannot be granted.
+    ///
+    /// # Safety
+    /// `handle` is a live allocation handle of exactly `bytes` that the caller owns one
+    /// reference to, and `[addr, addr + bytes)` lies in this device's reservation with
+    /// nothing mapped there (the driver rejects it otherwise).
+    unsafe fn map_handle(&self, addr: u64, bytes: usize, handle: sys::CUmemGenericAllocationHandle) -> Result<()> {
+        // SAFETY: as the caller promises.
+        let rc = unsafe { sys::cuMemMap(addr, bytes, 0, handle, 0) };
+        // The mapping, if made, keeps the memory alive; unmapping it will free it.
+        // SAFETY: the caller's reference to `handle`, released once.
+        let released = unsafe { sys::cuMemRelease(handle) };
+        check("cuMemMap", rc)?;
+        check("cuMemRelease", released)?;
+        let access = sys::CUmemAccessDesc {
+            location: self.inner.alloc_prop().location,
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: the whole range was mapped just above.
+        let granted = check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(addr, bytes, &access, 1) });
+        if granted.is_err() {
+            // SAFETY: mapped just above and never handed out: nothing can use it.
+            let _ = check("cuMemUnmap", unsafe { sys::cuMemUnmap(addr, bytes) });
+        }
+        granted
+    }
+}
+
 impl Device for CudaDevice {
     fn kind(&self) -> DeviceKind {
         DeviceKind::Cuda
@@ -806,25 +837,9 @@ impl Device for CudaDevice {
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: `prop` is a fully initialised property block; the driver writes a handle.
         check("cuMemCreate", unsafe { sys::cuMemCreate(&mut handle, bytes, &prop, 0) })?;
-        // SAFETY: the range lies in the caller's reservation with nothing mapped there (the
-        // driver rejects it otherwise); `handle` is a live allocation of exactly `bytes`.
-        let rc = unsafe { sys::cuMemMap(addr, bytes, 0, handle, 0) };
-        // The mapping, if made, keeps the memory alive; unmapping it will free it.
-        // SAFETY: `handle` came from cuMemCreate above and is released once.
-        let released = unsafe { sys::cuMemRelease(handle) };
-        check("cuMemMap", rc)?;
-        check("cuMemRelease", released)?;
-        let access = sys::CUmemAccessDesc {
-            location: self.inner.alloc_prop().location,
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        // SAFETY: the whole range was mapped just above.
-        let granted = check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(addr, bytes, &access, 1) });
-        if granted.is_err() {
-            // SAFETY: mapped just above and never handed out: nothing can use it.
-            let _ = check("cuMemUnmap", unsafe { sys::cuMemUnmap(addr, bytes) });
-        }
-        granted
+        // SAFETY: the handle was just created, of exactly `bytes`; the range is the caller's,
+        // in its reservation.
+        unsafe { self.map_handle(addr, bytes, handle) }
     }
 
     fn alias(&self, from: u64, to: u64, bytes: usize) -> Result<()> {
@@ -836,26 +851,10 @@ impl Device for CudaDevice {
         check("cuMemRetainAllocationHandle", unsafe {
             sys::cuMemRetainAllocationHandle(&mut handle, from as *mut c_void)
         })?;
-        // SAFETY: `to` lies in the caller's reservation with nothing mapped there (the driver
-        // rejects it otherwise), and `handle` is a live allocation of `bytes` (the caller
-        // names exactly one earlier map's range, whose allocation is that size).
-        let rc = unsafe { sys::cuMemMap(to, bytes, 0, handle, 0) };
-        // The mappings keep the memory alive; our retain goes.
-        // SAFETY: `handle` was retained above and is released once.
-        let released = unsafe { sys::cuMemRelease(handle) };
-        check("cuMemMap", rc)?;
-        check("cuMemRelease", released)?;
-        let access = sys::CUmemAccessDesc {
-            location: self.inner.alloc_prop().location,
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        // SAFETY: the whole range was mapped just above.
-        let granted = check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(to, bytes, &access, 1) });
-        if granted.is_err() {
-            // SAFETY: mapped just above and never handed out: nothing can use it.
-            let _ = check("cuMemUnmap", unsafe { sys::cuMemUnmap(to, bytes) });
-        }
-        granted
+        // SAFETY: the handle was retained above; it is of `bytes` because the caller names
+        // exactly one earlier map's range, whose allocation is that size; `to` is the
+        // caller's, in its reservation.
+        unsafe { self.map_handle(to, bytes, handle) }
     }
 
     fn can_alias(&self) -> bool {

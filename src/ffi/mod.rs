@@ -62,7 +62,7 @@ use std::ptr::NonNull;
 use libc::{size_t, ssize_t};
 
 use crate::live::{Refusal, Settled, Words};
-use crate::pool::NO_CLASS;
+use crate::pool::class_and_size;
 use crate::registry::{self, StreamRec};
 use crate::{Block, Error};
 use device::AbiDevice;
@@ -443,7 +443,7 @@ fn free(addr: u64, size: ssize_t, device: c_int, raw: u64) {
                 // memo's stream) takes it as the block's own drop would, without making
                 // the block and finding the cache again.
                 let shared = m.shared.get();
-                let (class, size) = (size_class & NO_CLASS, size_class & !NO_CLASS);
+                let (class, size) = class_and_size(size_class);
                 // SAFETY: a non-null `shared` is held by the thread's `CACHES` (memo docs).
                 if !shared.is_null() && unsafe { &*shared }.try_push_fast(class as usize, size, addr) {
                     return true;

@@ -34,6 +34,13 @@ pub(crate) struct Placed {
     pub(crate) size_class: u64,
 }
 
+/// A size-and-class word's (class, size in bytes); the class is [`NO_CLASS`] for a block no
+/// cache holds.
+#[inline(always)]
+pub(crate) const fn class_and_size(size_class: u64) -> (u64, u64) {
+    (size_class & NO_CLASS, size_class & !NO_CLASS)
+}
+
 impl Placed {
     /// Where an empty block (a zero-byte request) is: nowhere, holding nothing.
     pub(crate) const EMPTY: Placed = Placed { addr: 0, size_class: NO_CLASS };
@@ -130,12 +137,12 @@ impl Block {
 
     #[inline(always)]
     pub(crate) fn size(&self) -> u64 {
-        self.size_class.get() & !NO_CLASS
+        class_and_size(self.size_class.get()).1
     }
 
     #[inline(always)]
     pub(crate) fn class(&self) -> u64 {
-        self.size_class.get() & NO_CLASS
+        class_and_size(self.size_class.get()).0
     }
 
     /// The id of the stream the block was allocated on, and will be freed on.

@@ -536,9 +536,8 @@ fn alloc_through<'a>(
     cold: impl FnOnce(Option<usize>) -> Result<Placed>,
 ) -> Result<Block> {
     let class = class::class_of(bytes as u64);
-    let hit = class.and_then(|c| shared()?.try_pop_fast(c, class::size_of_class(c)));
-    let at = match hit {
-        Some(hit) => Placed::taken(hit),
+    let at = match class.and_then(|c| pop_hit(shared()?, c)) {
+        Some(at) => at,
         None => cold(class)?,
     };
     Ok(Block::new(pool, stream, bytes, at))
@@ -549,9 +548,14 @@ fn alloc_through<'a>(
 /// the cache's whole path would go further (nothing is done then).
 #[inline(always)]
 pub(crate) fn try_alloc_hit(shared: &CacheShared, bytes: usize) -> Option<(u64, u64)> {
-    let class = class::class_of(bytes as u64)?;
-    let at = Placed::taken(shared.try_pop_fast(class, class::size_of_class(class))?);
+    let at = pop_hit(shared, class::class_of(bytes as u64)?)?;
     Some((at.addr, at.size_class))
+}
+
+/// A block of `class` (or a larger one within reach) from `shared`'s loaded magazines.
+#[inline(always)]
+fn pop_hit(shared: &CacheShared, class: usize) -> Option<Placed> {
+    shared.try_pop_fast(class, class::size_of_class(class)).map(Placed::taken)
 }
 
 /// Everything [`alloc`]'s hit path does not do: find (or make) the cache, then its cold path.

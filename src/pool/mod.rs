@@ -41,8 +41,8 @@ mod sites;
 mod snapshot;
 mod streams;
 
+pub(crate) use block::class_and_size;
 pub use block::Block;
-pub(crate) use block::NO_CLASS;
 pub use leaks::Leak;
 pub(crate) use local::try_alloc_hit;
 pub use local::StreamCache;

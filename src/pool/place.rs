@@ -86,6 +86,20 @@ impl<'a> Judge<'a> {
         Judge { pool, me, reuse, reg: pool.registry.load(), memo: None, waits: Vec::new(), own: false }
     }
 
+    /// Judge afresh every fence of `[addr, addr + len)`: true if all may be taken (the
+    /// device waits they need, if any, are then in `waits`).
+    fn accepts(&mut self, addr: u64, len: u64) -> bool {
+        self.waits.clear();
+        self.memo = None;
+        self.own = false;
+        let mut ok = true;
+        self.pool.space.fences(addr, len, |_, w| {
+            ok = self.fence_ok(w);
+            ok
+        });
+        ok
+    }
+
     fn fence_ok(&mut self, word: u64) -> bool {
         if let Some((w, ok)) = self.memo {
             if w == word {
@@ -199,13 +213,7 @@ impl PoolInner {
     /// Whether `st` may take back the memory of the page at `from` (lent pages' memory,
     /// serving there now and free): every fence on it lets `st` reuse it at once.
     fn switch_allowed(&self, st: &StreamState, from: u64) -> bool {
-        let mut judge = Judge::new(self, st.slot, Reuse::Ready);
-        let mut ok = true;
-        self.space.fences(from, self.pages.page_size(), |_, w| {
-            ok = judge.fence_ok(w);
-            ok
-        });
-        ok
+        Judge::new(self, st.slot, Reuse::Ready).accepts(from, self.pages.page_size())
     }
 
     /// Place `size` bytes (as `Space::size_for` gives) for `st`'s stream: the address, or None
@@ -254,11 +262,10 @@ impl PoolInner {
             }
         };
         let mut accept = |addr: u64, len: u64| -> std::result::Result<(), u64> {
-            // Each call judges afresh: only the last one (after the claim) counts, and its
-            // waits are the ones to set up.
+            // The walk only chooses a run: the judgement that counts, and the waits set up,
+            // are made again once the pages are held (`judge_held`).
             judge.waits.clear();
             judge.memo = None;
-            judge.own = false;
             // A lent page serves a block only by taking its memory back, which needs the page
             // it went to free and not wanted by the same block; without mapping, only mapped
             // pages (or those) will do.
@@ -371,12 +378,7 @@ impl PoolInner {
     fn judge_held(&self, st: &StreamState, addr: u64, size: u64, reuse: Reuse) -> Option<Judge<'_>> {
         let reuse = if self.config.cross_stream_waits { Reuse::Wait } else { reuse };
         let mut judge = Judge::new(self, st.slot, reuse);
-        let mut ok = true;
-        self.space.fences(addr, size, |_, w| {
-            ok = judge.fence_ok(w);
-            ok
-        });
-        ok.then_some(judge)
+        judge.accepts(addr, size).then_some(judge)
     }
 
     /// Lend the memory of wholly free pages to the `len` bytes at `to`, which a placement for
@@ -397,16 +399,7 @@ impl PoolInner {
         // device (set up before the memory is shown at `to`, so `st`'s use comes after).
         let lent = [Reuse::Ready, Reuse::Wait].into_iter().any(|reuse| {
             let mut judge = Judge::new(self, st.slot, reuse);
-            let mut accept = |from: u64, l: u64| {
-                judge.waits.clear();
-                judge.memo = None;
-                let mut ok = true;
-                self.space.fences(from, l, |_, w| {
-                    ok = judge.fence_ok(w);
-                    ok
-                });
-                ok && (judge.waits.is_empty() || judge.settle(st))
-            };
+            let mut accept = |from: u64, l: u64| judge.accepts(from, l) && (judge.waits.is_empty() || judge.settle(st));
             self.pages.lend(to, len, &mut accept, &mut alias)
         });
         if lent {

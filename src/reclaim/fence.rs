@@ -93,6 +93,7 @@ impl<E: Send + Sync> FenceLog<E> {
     #[inline]
     pub fn is_complete(&self, seq: u64) -> bool {
         let complete = self.complete.load(Ordering::Acquire);
+        // `bounded(seq) <= seq`: the final number is read only where `complete` falls short.
         complete >= seq || complete >= self.bounded(seq)
     }
 
