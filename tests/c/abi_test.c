@@ -215,6 +215,16 @@ struct handoff {
 };
 
 static struct handoff rings[THREADS];
+
+/* Free every block handed to this thread so far, each on the stream it came with. */
+static void drain(struct handoff *h) {
+    pthread_mutex_lock(&h->lock);
+    for (int i = 0; i < h->n; i++) {
+        vrampool_free(h->ptr[i], h->size[i], 0, h->stream[i]);
+    }
+    h->n = 0;
+    pthread_mutex_unlock(&h->lock);
+}
 static pthread_barrier_t start, drained;
 static int thread_failures[THREADS];
 
@@ -280,12 +290,7 @@ static void *worker(void *arg) {
             }
         }
         if (r % 16 == 0 || r == ROUNDS - 1) {
-            pthread_mutex_lock(&mine->lock);
-            for (int i = 0; i < mine->n; i++) {
-                vrampool_free(mine->ptr[i], mine->size[i], 0, mine->stream[i]);
-            }
-            mine->n = 0;
-            pthread_mutex_unlock(&mine->lock);
+            drain(mine);
         }
         if (vrampool_last_error() != NULL) {
             thread_failures[me]++;
@@ -293,12 +298,7 @@ static void *worker(void *arg) {
     }
     pthread_barrier_wait(&drained);
     /* Blocks handed over after this thread's last drain. */
-    pthread_mutex_lock(&mine->lock);
-    for (int i = 0; i < mine->n; i++) {
-        vrampool_free(mine->ptr[i], mine->size[i], 0, mine->stream[i]);
-    }
-    mine->n = 0;
-    pthread_mutex_unlock(&mine->lock);
+    drain(mine);
     if (vrampool_last_error() != NULL) {
         thread_failures[me]++;
     }
