@@ -102,9 +102,37 @@ int vrampool_record_stream(void *ptr, void *stream);
 // `stream` is still a live stream of device `device`'s primary context.
 int vrampool_stream_destroyed(int device, void *stream);
 
+// Open graph pool `(pool_a, pool_b)` on `device` for a capture about to begin (PyTorch's
+// `beginAllocateToPool`; the pair is its `MempoolId_t`), or join it if open: until
+// `vrampool_end_allocate_to_pool`, `vrampool_malloc_to_pool` serves the capture from
+// memory nothing outside the pool gets until `vrampool_release_pool`. While any capture is
+// declared, every call checks its stream for capture before it keys it (asking a capturing
+// stream's id invalidates the capture) and runs its driver calls in the RELAXED capture
+// mode. Returns 0, or a `vrampool_status` with the error set.
+int vrampool_begin_allocate_to_pool(int device, uint64_t pool_a, uint64_t pool_b);
+
+// The capture `vrampool_begin_allocate_to_pool` was called for has ended (PyTorch's
+// `endAllocateToPool`, after `cudaStreamEndCapture`). Returns 0, or a `vrampool_status`.
+int vrampool_end_allocate_to_pool(int device, uint64_t pool_a, uint64_t pool_b);
+
+// A graph that used pool `(pool_a, pool_b)` is gone (PyTorch's `releasePool`; one call
+// per `vrampool_begin_allocate_to_pool`). Once every such graph is, the pool's memory goes
+// back at the first `vrampool_empty_cache` after its last block is freed, as PyTorch gives
+// a released private pool back when its cache is emptied (a later graph may still replay
+// into a block the pool held). Returns 0, or a `vrampool_status` with the error set.
+int vrampool_release_pool(int device, uint64_t pool_a, uint64_t pool_b);
+
+// Allocate `size` bytes in open graph pool `(pool_a, pool_b)` for the capture on `stream`.
+// As `vrampool_malloc` otherwise: freed with `vrampool_free` and the same size and stream.
+//
+// # Safety
+// As `vrampool_malloc`.
+void *vrampool_malloc_to_pool(ssize_t size, int device, void *stream, uint64_t pool_a, uint64_t pool_b);
+
 // Give back what every pool holds and does not use: settle pending frees, close every
-// open batch, wait for pending events, unmap every wholly free page. Returns 0, or a
-// `vrampool_status` with the error set.
+// open batch, wait for pending events, unmap every wholly free page, and give back every
+// released graph pool whose blocks are all freed (after a device-wide synchronize; not
+// while a capture is declared). Returns 0, or a `vrampool_status` with the error set.
 int vrampool_empty_cache(void);
 
 // Device `device`'s statistics as one JSON object, as `snprintf` writes: returns the

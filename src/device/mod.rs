@@ -201,6 +201,10 @@ pub trait Device: Send + Sync + fmt::Debug {
     fn synchronize(&self, stream: &Stream) -> Result<()>;
     /// Whether `stream` is being captured into a graph.
     fn is_capturing(&self, stream: &Stream) -> Result<bool>;
+    /// Block the calling thread until all work on the device is done, on every stream,
+    /// also those the pool never saw (a CUDA graph's replays run on whatever stream the
+    /// user launched them on).
+    fn synchronize_device(&self) -> Result<()>;
 
     /// Create an event (no timing). An event never recorded is complete.
     fn create_event(&self) -> Result<Event>;
@@ -305,6 +309,7 @@ macro_rules! forward_device {
             fn destroy_stream(&self, stream: &Stream) -> Result<()> { (**self).destroy_stream(stream) }
             fn synchronize(&self, stream: &Stream) -> Result<()> { (**self).synchronize(stream) }
             fn is_capturing(&self, stream: &Stream) -> Result<bool> { (**self).is_capturing(stream) }
+            fn synchronize_device(&self) -> Result<()> { (**self).synchronize_device() }
             fn create_event(&self) -> Result<Event> { (**self).create_event() }
             fn record_event(&self, event: &Event, stream: &Stream) -> Result<()> { (**self).record_event(event, stream) }
             fn query_event(&self, event: &Event) -> Result<bool> { (**self).query_event(event) }

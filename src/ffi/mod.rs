@@ -46,6 +46,7 @@
 
 mod device;
 mod foreign;
+mod graph;
 mod memo;
 mod stats;
 mod status;
@@ -144,14 +145,123 @@ pub unsafe extern "C" fn vrampool_stream_destroyed(device: c_int, stream: *mut c
     })
 }
 
+/// Open graph pool `(pool_a, pool_b)` on `device` for a capture about to begin (PyTorch's
+/// `beginAllocateToPool`; the pair is its `MempoolId_t`), or join it if open: until
+/// `vrampool_end_allocate_to_pool`, `vrampool_malloc_to_pool` serves the capture from
+/// memory nothing outside the pool gets until `vrampool_release_pool`. While any capture is
+/// declared, every call checks its stream for capture before it keys it (asking a capturing
+/// stream's id invalidates the capture) and runs its driver calls in the RELAXED capture
+/// mode. Returns 0, or a `vrampool_status` with the error set.
+#[no_mangle]
+pub extern "C" fn vrampool_begin_allocate_to_pool(device: c_int, pool_a: u64, pool_b: u64) -> c_int {
+    graph_call("vrampool_begin_allocate_to_pool", device, |d| graph::begin(d, (pool_a, pool_b)))
+}
+
+/// The capture `vrampool_begin_allocate_to_pool` was called for has ended (PyTorch's
+/// `endAllocateToPool`, after `cudaStreamEndCapture`). Returns 0, or a `vrampool_status`.
+#[no_mangle]
+pub extern "C" fn vrampool_end_allocate_to_pool(device: c_int, pool_a: u64, pool_b: u64) -> c_int {
+    graph_call("vrampool_end_allocate_to_pool", device, |d| graph::end(d, (pool_a, pool_b)))
+}
+
+/// A graph that used pool `(pool_a, pool_b)` is gone (PyTorch's `releasePool`; one call
+/// per `vrampool_begin_allocate_to_pool`). Once every such graph is, the pool's memory goes
+/// back at the first `vrampool_empty_cache` after its last block is freed, as PyTorch gives
+/// a released private pool back when its cache is emptied (a later graph may still replay
+/// into a block the pool held). Returns 0, or a `vrampool_status` with the error set.
+#[no_mangle]
+pub extern "C" fn vrampool_release_pool(device: c_int, pool_a: u64, pool_b: u64) -> c_int {
+    graph_call("vrampool_release_pool", device, |d| graph::release(d, (pool_a, pool_b)))
+}
+
+/// Allocate `size` bytes in open graph pool `(pool_a, pool_b)` for the capture on `stream`.
+/// As `vrampool_malloc` otherwise: freed with `vrampool_free` and the same size and stream.
+///
+/// # Safety
+/// As `vrampool_malloc`.
+#[no_mangle]
+pub unsafe extern "C" fn vrampool_malloc_to_pool(
+    size: ssize_t,
+    device: c_int,
+    stream: *mut c_void,
+    pool_a: u64,
+    pool_b: u64,
+) -> *mut c_void {
+    guarded("vrampool_malloc_to_pool", std::ptr::null_mut(), || {
+        let call = "vrampool_malloc_to_pool";
+        if size == 0 {
+            return std::ptr::null_mut();
+        }
+        let result = match (usize::try_from(size), usize::try_from(device)) {
+            (Ok(size), Ok(d)) => graph::malloc(size, d, stream as u64, (pool_a, pool_b)),
+            _ => Err(Error::InvalidArgument(format!("{call}({size}, device {device}): a negative size or device"))),
+        };
+        match result {
+            Ok(addr) => addr as *mut c_void,
+            Err(e) => {
+                let counter =
+                    if matches!(e, Error::OutOfMemory(_)) { Counter::FailedMallocs } else { Counter::InvalidMallocs };
+                AbiError::from_error(call, counter, &e).report();
+                std::ptr::null_mut()
+            }
+        }
+    })
+}
+
+/// A graph-pool call on `device`: 0, or the error reported.
+fn graph_call(call: &'static str, device: c_int, f: impl FnOnce(usize) -> Result<(), Error>) -> c_int {
+    guarded(call, vrampool_status::VRAMPOOL_ERROR_INTERNAL as c_int, || {
+        let result = usize::try_from(device)
+            .map_err(|_| Error::InvalidArgument(format!("device {device} is not an ordinal")))
+            .and_then(f);
+        match result {
+            Ok(()) => 0,
+            Err(e) => AbiError::from_error(call, Counter::FailedCalls, &e).report(),
+        }
+    })
+}
+
+/// While a capture is declared underway, the calling thread's capture mode is RELAXED until
+/// the guard drops, so that the pool's event and stream queries neither fail nor invalidate
+/// the capture (`device::cuda::RelaxedCapture`).
+#[inline(always)]
+fn relaxed() -> Option<impl Drop> {
+    if !registry::captures_underway() {
+        return None;
+    }
+    relax_now()
+}
+
+#[cold]
+#[inline(never)]
+fn relax_now() -> Option<impl Drop> {
+    #[cfg(feature = "cuda")]
+    return match registry::device_kind() {
+        Ok(crate::DeviceKind::Cuda) => crate::device::cuda::RelaxedCapture::enter(),
+        _ => None, // the simulator has no capture modes (nor, maybe, a CUDA driver)
+    };
+    #[cfg(not(feature = "cuda"))]
+    return None::<NoGuard>;
+}
+
+/// The simulator's stand-in for the RELAXED guard: it has no capture modes.
+#[cfg(not(feature = "cuda"))]
+struct NoGuard;
+
+#[cfg(not(feature = "cuda"))]
+impl Drop for NoGuard {
+    fn drop(&mut self) {}
+}
+
 /// Give back what every pool holds and does not use: settle pending frees, close every
-/// open batch, wait for pending events, unmap every wholly free page. Returns 0, or a
-/// `vrampool_status` with the error set.
+/// open batch, wait for pending events, unmap every wholly free page, and give back every
+/// released graph pool whose blocks are all freed (after a device-wide synchronize; not
+/// while a capture is declared). Returns 0, or a `vrampool_status` with the error set.
 #[no_mangle]
 pub extern "C" fn vrampool_empty_cache() -> c_int {
     guarded("vrampool_empty_cache", vrampool_status::VRAMPOOL_ERROR_INTERNAL as c_int, || {
         foreign::settle(true);
-        match registry::trim() {
+        match graph::finish_ready().and_then(|()| registry::trim()) {
             Ok(()) => 0,
             Err(e) => AbiError::from_error("vrampool_empty_cache", Counter::FailedCalls, &e).report(),
         }
@@ -205,9 +315,13 @@ pub extern "C" fn vrampool_abi_version() -> u32 {
 }
 
 /// Run an entry point, turning a panic into an internal error (counted and set) and
-/// `on_panic`: unwinding into C is undefined behaviour.
+/// `on_panic`: unwinding into C is undefined behaviour. While a capture is declared, in
+/// the RELAXED capture mode.
 #[inline(always)]
 fn guarded<T>(call: &'static str, on_panic: T, f: impl FnOnce() -> T) -> T {
+    // Every entry point, while a capture is declared: none of the driver calls it may make
+    // (event queries, syncs) may fail or invalidate a capture in GLOBAL mode.
+    let _relaxed = relaxed();
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(v) => v,
         Err(payload) => {
@@ -508,7 +622,18 @@ fn free_checked(addr: u64, size: ssize_t, device: c_int, raw: u64) -> Result<(),
         let msg = format!("{call}({addr:#x}): device {device} has no pool: no block of it was allocated here");
         AbiError::new(vrampool_status::VRAMPOOL_ERROR_INVALID_FREE, Counter::InvalidFrees, msg)
     })?;
-    let idx = dev.table.index(addr).ok_or_else(|| not_a_block(call, dev, addr))?;
+    let Some(idx) = dev.table.index(addr) else {
+        return match graph::free(addr, size as u64, raw) {
+            Some(Ok(())) => Ok(()),
+            Some(Err(graph::FreeRefusal::NotLive)) => {
+                Err(refusal(call, addr, size, raw, Refusal::NotLive { ever: true }, None))
+            }
+            Some(Err(graph::FreeRefusal::Mismatch { len, raw: alloc_raw })) => {
+                Err(mismatch(call, addr, size, raw, len, Some(alloc_raw)))
+            }
+            None => Err(not_a_block(call, dev, addr)),
+        };
+    };
     let seen = Seen::new(None);
     let refused = |r: Refusal| refusal(call, addr, size, raw, r, seen.get());
     let (me, mine) = MEMO.try_with(|m| (m.owner.get(), m.owner_rec.get())).unwrap_or((0, std::ptr::null()));
@@ -635,17 +760,34 @@ fn record_stream(addr: u64, raw: u64) -> Result<(), AbiError> {
     if addr == 0 {
         return Err(AbiError::new(VRAMPOOL_ERROR_INVALID_ARGUMENT, counter, format!("{call}: a null pointer")));
     }
-    let dev = device::holding(addr).ok_or_else(|| {
-        AbiError::new(VRAMPOOL_ERROR_INVALID_FREE, counter, format!("{call}({addr:#x}): not a pointer of any pool"))
-    })?;
+    let Some(dev) = device::holding(addr) else {
+        return match graph::record_stream(addr) {
+            // A graph pool's block: parked at its free until the pool finishes.
+            Some(true) => Ok(()),
+            Some(false) => Err(AbiError::new(
+                VRAMPOOL_ERROR_INVALID_FREE,
+                counter,
+                format!("{call}({addr:#x}): no live block of its graph pool starts there"),
+            )),
+            None => Err(AbiError::new(
+                VRAMPOOL_ERROR_INVALID_FREE,
+                counter,
+                format!("{call}({addr:#x}): not a pointer of any pool"),
+            )),
+        };
+    };
     let as_record = |mut e: AbiError| {
         e.counter = counter;
         e.message = e.message.replacen("vrampool_free", call, 1);
         e
     };
     let idx = dev.table.index(addr).ok_or_else(|| as_record(not_a_block(call, dev, addr)))?;
-    let rec: std::sync::Arc<StreamRec> =
-        registry::stream_rec(dev.entry, raw).map_err(|e| AbiError::from_error(call, counter, &e))?;
+    let rec: std::sync::Arc<StreamRec> = match registry::stream_rec(dev.entry, raw) {
+        // A stream being captured cannot be keyed: the record its handle was last seen with.
+        Err(Error::StreamCapturing) => dev.entry.streams.by_raw(raw),
+        r => r.ok(),
+    }
+    .ok_or_else(|| AbiError::from_error(call, counter, &Error::StreamCapturing))?;
     let claim = dev.table.claim_busy(idx).map_err(|r| as_record(refusal(call, addr, 1, raw, r, None)))?;
     let me = MEMO.try_with(|m| m.owner.get()).unwrap_or(0);
     if me == 0 || claim.owner() != me {

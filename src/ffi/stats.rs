@@ -15,6 +15,12 @@ pub struct Report {
     /// The ABI's counters (process-wide).
     #[serde(flatten)]
     pub abi: AbiCounters,
+    /// CUDA graph pools of this device open or not yet given back (`vrampool_begin_allocate_to_pool`).
+    pub graph_pools: u64,
+    /// Their live blocks.
+    pub graph_pool_blocks: u64,
+    /// Bytes they hold mapped (not in `reserved_bytes`, which is the device's main pool's).
+    pub graph_pool_reserved_bytes: u64,
 }
 
 impl Report {
@@ -23,7 +29,14 @@ impl Report {
     pub fn now(device: usize) -> crate::Result<Report> {
         let entry = registry::entry(device)?;
         super::foreign::settle(true);
-        Ok(Report { stats: entry.pool.stats(), abi: AbiCounters::now() })
+        let graphs: Vec<_> = super::graph::pools().into_iter().filter(|g| g.0 == device).collect();
+        Ok(Report {
+            stats: entry.pool.stats(),
+            abi: AbiCounters::now(),
+            graph_pools: graphs.len() as u64,
+            graph_pool_blocks: graphs.iter().map(|g| g.2 as u64).sum(),
+            graph_pool_reserved_bytes: graphs.iter().map(|g| g.3).sum(),
+        })
     }
 
     /// The report as the ABI writes it.

@@ -33,7 +33,7 @@ mod streams;
 pub use config::{Config, DeviceChoice, MAX_DEVICES, MAX_STREAMS, VARIABLES};
 pub(crate) use streams::StreamRec;
 
-use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::device::{Device, DeviceKind, Stream};
@@ -231,13 +231,43 @@ fn cuda_device(_device: usize) -> Result<Arc<dyn Device>> {
     cuda_available().map(|_| unreachable!())
 }
 
+/// Graph captures declared underway, on any device (`vrampool_begin_allocate_to_pool`
+/// until its `vrampool_end_allocate_to_pool`).
+static CAPTURES: AtomicUsize = AtomicUsize::new(0);
+
+/// A capture was declared: until [`capture_ended`], stream handles are checked for capture
+/// before they are keyed, and the C ABI's driver calls run in the RELAXED capture mode.
+pub(crate) fn capture_began() {
+    CAPTURES.fetch_add(1, Ordering::SeqCst);
+}
+
+/// A capture declared by [`capture_began`] ended. Returns how many are still underway.
+pub(crate) fn capture_ended() -> usize {
+    let was = CAPTURES.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| Some(n.saturating_sub(1)));
+    was.map_or(0, |n| n.saturating_sub(1))
+}
+
+/// Whether any declared capture is underway (one load: the C ABI reads it on every call).
+#[inline]
+pub(crate) fn captures_underway() -> bool {
+    CAPTURES.load(Ordering::Relaxed) != 0
+}
+
 /// The key the registry gives raw handle `raw` on `e`'s device, from the calling thread.
+/// While a capture is declared underway, a handle being captured is refused with
+/// [`Error::StreamCapturing`] before the driver is asked for its id: `cuStreamGetId` on a
+/// capturing stream fails and invalidates the capture.
 #[inline]
 pub(crate) fn stream_key(e: &Entry, raw: u64) -> Result<u64> {
     match e.kind {
         DeviceKind::Simulated => Ok(raw),
         #[cfg(feature = "cuda")]
-        DeviceKind::Cuda => streams::cuda_key(raw, streams::cu_stream_id),
+        DeviceKind::Cuda => streams::cuda_key(raw, |r| {
+            if captures_underway() && crate::device::cuda::raw_is_capturing(r)? {
+                return Err(Error::StreamCapturing);
+            }
+            streams::cu_stream_id(r)
+        }),
         #[cfg(not(feature = "cuda"))]
         DeviceKind::Cuda => Err(Error::NoDevice("built without the `cuda` feature".into())),
     }

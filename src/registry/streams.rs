@@ -57,6 +57,12 @@ impl Streams {
         self.snap.load().by_key.get(&key).cloned()
     }
 
+    /// The stream last seen with raw handle `raw` and not destroyed: for a handle that
+    /// cannot be keyed now (a capturing stream's id cannot be asked).
+    pub(crate) fn by_raw(&self, raw: u64) -> Option<Arc<StreamRec>> {
+        self.snap.load().by_token.iter().rev().find(|r| r.raw == raw && !r.stream.is_destroyed()).cloned()
+    }
+
     /// The stream of `token`.
     pub(crate) fn by_token(&self, token: u32) -> Option<Arc<StreamRec>> {
         let i = (token as usize).checked_sub(1)?;

@@ -497,6 +497,19 @@ impl Device for SimDevice {
         Ok(Self::capturing(self.inner.stream(stream)?))
     }
 
+    fn synchronize_device(&self) -> Result<()> {
+        check_not_in_host_fn()?;
+        let live: Vec<Arc<StreamShared>> = lock(&self.inner.raws).live.values().filter_map(Weak::upgrade).collect();
+        for shared in live {
+            if lock(&shared.state).capturing {
+                return Err(Error::StreamCapturing);
+            }
+            let seq = lock(&shared.state).last_seq;
+            shared.wait_for(seq);
+        }
+        self.inner.check_fault()
+    }
+
     fn create_event(&self) -> Result<Event> {
         check_not_in_host_fn()?;
         costs::spend(self.inner.costs.event_create);
