@@ -147,6 +147,46 @@ def empty_cache(backend) -> dict:
     return r
 
 
+def cuda_graph(backend) -> dict:
+    """Capture a small MLP step with torch.cuda.graph (its private pool: vrampool's graph
+    pool through the hooks), replay it on new inputs, and compare with eager; then
+    allocate eagerly while the graph lives and check that no eager tensor got the
+    graph's memory (a replay would overwrite it)."""
+    torch.manual_seed(1)
+    layers = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 64)).cuda()
+    static_in = torch.randn(32, 256, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(3):  # warm-up on a side stream, as PyTorch's docs do
+            layers(static_in)
+    torch.cuda.current_stream().wait_stream(side)
+    before = backend.ext.counters()["graph_mallocs"] if getattr(backend, "ext", None) is not None else None
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g), torch.no_grad():
+        static_out = layers(static_in)
+    graph_mallocs = None if before is None else backend.ext.counters()["graph_mallocs"] - before
+    worst = 0.0
+    eager_hits = 0
+    for k in range(5):
+        x = torch.randn(32, 256, device="cuda")
+        static_in.copy_(x)
+        g.replay()
+        with torch.no_grad():
+            ref = layers(x)
+        worst = max(worst, (static_out - ref).abs().max().item())
+        # Eager tensors made while the graph lives must not sit in its memory.
+        eager = [torch.full((64 << 10,), k, device="cuda") for _ in range(16)]
+        g.replay()
+        torch.cuda.synchronize()
+        eager_hits += sum(int((t != k).any().item()) for t in eager)
+    del g, static_out
+    torch.cuda.synchronize()
+    r = {"max_abs_diff_vs_eager": worst, "eager_tensors_overwritten": eager_hits, "graph_mallocs": graph_mallocs}
+    r["ok"] = worst < 1e-4 and eager_hits == 0 and (graph_mallocs is None or backend.name == "pytorch" or graph_mallocs > 0)
+    return r
+
+
 def _try_alloc(nbytes: int) -> dict:
     """torch.empty of nbytes: whether it raised, what and with which message."""
     try:

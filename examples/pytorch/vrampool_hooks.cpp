@@ -20,6 +20,17 @@
 //    record_stream of a pointer vrampool does not own is skipped as PyTorch's own
 //    allocator skips storages it did not allocate (counted here, and by vrampool as
 //    abi_failed_record_streams, which run.py fails on); any other failure throws.
+// 2b. CUDA graphs: set_begin_allocate_to_pool / set_end_allocate_to_pool_fn /
+//    set_release_pool. PyTorch opens a private pool before every capture
+//    (CUDAGraph::capture_begin, make_graphed_callables, torch.cuda.MemPool) with a filter
+//    that names the capturing stream; while one is open, the alloc function asks each open
+//    pool's filter and sends a match to vrampool_malloc_to_pool, so that what a graph
+//    captures is memory nothing else gets until the graph is released. The begin hook also
+//    tells vrampool a capture is underway: from then on it checks streams for capture
+//    before asking their id (cuStreamGetId on a capturing stream invalidates the capture)
+//    and runs its driver calls in the RELAXED capture mode. The end and release hooks run
+//    in PyTorch's capture_end and graph destructor: they never throw (a failure is counted
+//    and kept in graph_errors for counters()).
 // 3. Counters of what PyTorch asked for, and the time spent inside vrampool's malloc and
 //    free (a tick counter read around each call; off unless asked for). Each thread has
 //    its own slot, written only by it: no read-modify-write on the allocation path.
@@ -67,6 +78,8 @@ using EmptyCacheFn = int (*)();
 using StatsJsonFn = size_t (*)(int, char*, size_t);
 using LastErrorFn = const char* (*)();
 using LastErrorCodeFn = int (*)();
+using MallocToPoolFn = void* (*)(ssize_t, int, void*, uint64_t, uint64_t);
+using PoolFn = int (*)(int, uint64_t, uint64_t);
 
 // vrampool_status values (include/vrampool.h) this file tells apart.
 constexpr int kInvalidFree = 2;
@@ -85,6 +98,11 @@ struct Library {
   StatsJsonFn stats_json = nullptr;
   LastErrorFn last_error = nullptr;
   LastErrorCodeFn last_error_code = nullptr;  // beyond PyTorch's six; optional
+  // Graph pools (vrampool_begin_allocate_to_pool and its kin); optional, as a whole.
+  MallocToPoolFn malloc_to_pool = nullptr;
+  PoolFn begin_pool = nullptr;
+  PoolFn end_pool = nullptr;
+  PoolFn release_pool = nullptr;
 };
 Library lib;
 
@@ -237,7 +255,8 @@ std::string num(long long v) {
   throw_error(false,
         "vrampool could not allocate " + num(size) + " bytes on CUDA device " + num(device) +
             (f.code == kStreamCapturing
-                 ? " (CUDA graph capture: CUDAPluggableAllocator gives vrampool no graph pools)"
+                 ? " (a stream being captured into a CUDA graph outside a graph pool: capture with "
+                   "torch.cuda.graph, whose pool the graph-pool hooks route to vrampool)"
                  : "") +
             ": " + f.message);
 }
@@ -246,12 +265,89 @@ std::string num(long long v) {
 
 // ---- the functions PyTorch calls ----------------------------------------------------------
 
+namespace {
+
+// The graph pools PyTorch has open (between its beginAllocateToPool and endAllocateToPool),
+// each with the filter that names its capture's streams. Read under `open_lock` only while
+// `open_count` is not zero: no lock on the allocation path otherwise.
+struct OpenPool {
+  int device;
+  c10::cuda::MempoolId_t id;
+  std::function<bool(cudaStream_t)> filter;
+};
+std::mutex open_lock;
+std::vector<OpenPool> open_pools;
+std::atomic<int> open_count{0};
+std::atomic<uint64_t> graph_mallocs{0};
+std::atomic<uint64_t> graph_errors{0};
+std::mutex graph_error_lock;
+std::string graph_last_error;
+
+void graph_failed(const char* what) {
+  graph_errors.fetch_add(1, std::memory_order_relaxed);
+  const std::lock_guard<std::mutex> held(graph_error_lock);
+  graph_last_error = std::string(what) + ": " + last_error_or("no message");
+}
+
+// The open pool whose filter names `stream` on `device`, if any.
+bool pool_for(int device, void* stream, c10::cuda::MempoolId_t* id) {
+  const std::lock_guard<std::mutex> held(open_lock);
+  for (const auto& p : open_pools) {
+    if (p.device == device && p.filter && p.filter(static_cast<cudaStream_t>(stream))) {
+      *id = p.id;
+      return true;
+    }
+  }
+  return false;
+}
+
+void begin_pool_hook(int device, c10::cuda::MempoolId_t id, std::function<bool(cudaStream_t)> filter) {
+  if (lib.begin_pool(device, id.first, id.second) != 0) {
+    throw_error(false, "vrampool_begin_allocate_to_pool failed: " + last_error_or("no message"));
+  }
+  const std::lock_guard<std::mutex> held(open_lock);
+  open_pools.push_back(OpenPool{device, id, std::move(filter)});
+  open_count.fetch_add(1, std::memory_order_release);
+}
+
+void end_pool_hook(int device, c10::cuda::MempoolId_t id) {
+  {
+    const std::lock_guard<std::mutex> held(open_lock);
+    auto it = std::find_if(open_pools.begin(), open_pools.end(), [&](const OpenPool& p) {
+      return p.device == device && p.id == id;
+    });
+    if (it != open_pools.end()) {
+      open_pools.erase(it);
+      open_count.fetch_sub(1, std::memory_order_release);
+    }
+  }
+  if (lib.end_pool(device, id.first, id.second) != 0) {
+    graph_failed("vrampool_end_allocate_to_pool");
+  }
+}
+
+void release_pool_hook(int device, c10::cuda::MempoolId_t id) {
+  if (lib.release_pool(device, id.first, id.second) != 0) {
+    graph_failed("vrampool_release_pool");
+  }
+}
+
+}  // namespace
+
 VH_EXPORT void* vrampool_hooks_malloc(ssize_t size, int device, void* stream) {
   require_bound();
   Slot& s = slot();
   const bool timed = timing.load(std::memory_order_relaxed);
   const uint64_t t0 = timed ? ticks() : 0;
-  void* p = lib.malloc(size, device, stream);
+  void* p = nullptr;
+  c10::cuda::MempoolId_t id;
+  if (open_count.load(std::memory_order_acquire) != 0 && lib.malloc_to_pool != nullptr &&
+      pool_for(device, stream, &id)) {
+    graph_mallocs.fetch_add(1, std::memory_order_relaxed);
+    p = lib.malloc_to_pool(size, device, stream, id.first, id.second);
+  } else {
+    p = lib.malloc(size, device, stream);
+  }
   if (timed) {
     add(s.malloc_ticks, ticks() - t0);
   }
@@ -307,6 +403,13 @@ void bind(const std::string& path) {
   lib.last_error = symbol<LastErrorFn>(h, "vrampool_last_error");
   lib.last_error_code =
       reinterpret_cast<LastErrorCodeFn>(dlsym(h, "vrampool_last_error_code"));
+  lib.malloc_to_pool = reinterpret_cast<MallocToPoolFn>(dlsym(h, "vrampool_malloc_to_pool"));
+  lib.begin_pool = reinterpret_cast<PoolFn>(dlsym(h, "vrampool_begin_allocate_to_pool"));
+  lib.end_pool = reinterpret_cast<PoolFn>(dlsym(h, "vrampool_end_allocate_to_pool"));
+  lib.release_pool = reinterpret_cast<PoolFn>(dlsym(h, "vrampool_release_pool"));
+  if (!lib.malloc_to_pool || !lib.begin_pool || !lib.end_pool || !lib.release_pool) {
+    lib.malloc_to_pool = nullptr;  // an older library: no graph pools
+  }
   lib.malloc = symbol<MallocFn>(h, "vrampool_malloc");
   lib.handle = h;
 }
@@ -353,9 +456,15 @@ void empty_cache_hook() {
 // Install (true) or remove (false) each hook; an empty std::function is PyTorch's "unset"
 // (recordStream and emptyCache test it before calling). Call with no other thread inside
 // the allocator: the std::function is not guarded.
-std::string set_hooks(bool record_stream, bool empty_cache) {
+std::string set_hooks(bool record_stream, bool empty_cache, bool graph_pools) {
   require_bound();
   auto& a = pluggable();
+  const bool graphs = graph_pools && lib.malloc_to_pool != nullptr;
+  using BeginFn = std::function<void(int, c10::cuda::MempoolId_t, std::function<bool(cudaStream_t)>)>;
+  using PoolHookFn = std::function<void(int, c10::cuda::MempoolId_t)>;
+  a.set_begin_allocate_to_pool(graphs ? BeginFn(begin_pool_hook) : BeginFn());
+  a.set_end_allocate_to_pool_fn(graphs ? PoolHookFn(end_pool_hook) : PoolHookFn());
+  a.set_release_pool(graphs ? PoolHookFn(release_pool_hook) : PoolHookFn());
   a.set_record_stream_fn(
       record_stream ? std::function<void(void*, cudaStream_t)>(record_stream_hook)
                     : std::function<void(void*, cudaStream_t)>());
@@ -383,6 +492,12 @@ py::dict counters() {
   d["record_streams"] = record_streams.load();
   d["record_streams_skipped"] = record_streams_skipped.load();
   d["empty_caches"] = empty_caches.load();
+  d["graph_mallocs"] = graph_mallocs.load();
+  d["graph_errors"] = graph_errors.load();
+  {
+    const std::lock_guard<std::mutex> held(graph_error_lock);
+    d["graph_last_error"] = graph_last_error;
+  }
   d["timing"] = timing.load();
   return d;
 }
@@ -557,7 +672,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       &set_hooks,
       py::arg("record_stream") = true,
       py::arg("empty_cache") = true,
-      "install or remove the record_stream and empty_cache hooks on the current pluggable allocator");
+      py::arg("graph_pools") = true,
+      "install or remove the record_stream, empty_cache and graph-pool hooks on the current pluggable allocator");
   m.def("counters", &counters, "what PyTorch asked of vrampool through this module");
   m.def("set_timing", [](bool on) { timing.store(on); }, "time each vrampool malloc/free");
   m.def(
