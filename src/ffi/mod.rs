@@ -13,9 +13,11 @@
 //! **What it owns.** The C side of the [`crate::registry`]'s pools: per device a
 //! live-block table (the `live` module: from a block's address to what its free needs, in
 //! O(1), without a lock), the calling thread's memo of its last device and stream, and the
-//! queue of frees made on other threads than the allocating one (`ffi::foreign`). Pools, their
-//! configuration (environment variables, see [`crate::registry::VARIABLES`]) and streams are
-//! the registry's.
+//! queue of frees made on other threads than the allocating one (`ffi::foreign`), and the
+//! CUDA graph pools (`ffi::graph`: `vrampool_begin_allocate_to_pool`,
+//! `vrampool_malloc_to_pool`, `vrampool_end_allocate_to_pool`, `vrampool_release_pool`,
+//! PyTorch's private pools). Pools, their configuration (environment variables, see
+//! [`crate::registry::VARIABLES`]) and streams are the registry's.
 //!
 //! **Streams.** A stream handle is a `cudaStream_t` on CUDA (keyed by the driver's stream
 //! id, never by the handle's value, which the driver reuses) and an opaque value on the
@@ -133,6 +135,7 @@ pub unsafe extern "C" fn vrampool_record_stream(ptr: *mut c_void, stream: *mut c
 #[no_mangle]
 pub unsafe extern "C" fn vrampool_stream_destroyed(device: c_int, stream: *mut c_void) -> c_int {
     guarded("vrampool_stream_destroyed", vrampool_status::VRAMPOOL_ERROR_INTERNAL as c_int, || {
+        let _relaxed = relaxed();
         let Ok(ordinal) = usize::try_from(device) else {
             let e = Error::InvalidArgument(format!("device {device} is not an ordinal"));
             return AbiError::from_error("vrampool_stream_destroyed", Counter::FailedCalls, &e).report();
@@ -188,6 +191,7 @@ pub unsafe extern "C" fn vrampool_malloc_to_pool(
     pool_b: u64,
 ) -> *mut c_void {
     guarded("vrampool_malloc_to_pool", std::ptr::null_mut(), || {
+        let _relaxed = relaxed();
         let call = "vrampool_malloc_to_pool";
         if size == 0 {
             return std::ptr::null_mut();
@@ -211,6 +215,7 @@ pub unsafe extern "C" fn vrampool_malloc_to_pool(
 /// A graph-pool call on `device`: 0, or the error reported.
 fn graph_call(call: &'static str, device: c_int, f: impl FnOnce(usize) -> Result<(), Error>) -> c_int {
     guarded(call, vrampool_status::VRAMPOOL_ERROR_INTERNAL as c_int, || {
+        let _relaxed = relaxed();
         let result = usize::try_from(device)
             .map_err(|_| Error::InvalidArgument(format!("device {device} is not an ordinal")))
             .and_then(f);
@@ -260,6 +265,7 @@ impl Drop for NoGuard {
 #[no_mangle]
 pub extern "C" fn vrampool_empty_cache() -> c_int {
     guarded("vrampool_empty_cache", vrampool_status::VRAMPOOL_ERROR_INTERNAL as c_int, || {
+        let _relaxed = relaxed();
         foreign::settle(true);
         match graph::finish_ready().and_then(|()| registry::trim()) {
             Ok(()) => 0,
@@ -278,11 +284,14 @@ pub extern "C" fn vrampool_empty_cache() -> c_int {
 /// `buf` is NULL with `len == 0`, or valid for writing `len` bytes.
 #[no_mangle]
 pub unsafe extern "C" fn vrampool_stats_json(device: c_int, buf: *mut c_char, len: size_t) -> size_t {
-    guarded("vrampool_stats_json", 0, || match stats::json(device, buf, len) {
-        Ok(n) => n,
-        Err(e) => {
-            e.report();
-            0
+    guarded("vrampool_stats_json", 0, || {
+        let _relaxed = relaxed();
+        match stats::json(device, buf, len) {
+            Ok(n) => n,
+            Err(e) => {
+                e.report();
+                0
+            }
         }
     })
 }
@@ -315,13 +324,11 @@ pub extern "C" fn vrampool_abi_version() -> u32 {
 }
 
 /// Run an entry point, turning a panic into an internal error (counted and set) and
-/// `on_panic`: unwinding into C is undefined behaviour. While a capture is declared, in
-/// the RELAXED capture mode.
+/// `on_panic`: unwinding into C is undefined behaviour. Any path of it that may call the
+/// driver other than to key a stream (every cold path) takes [`relaxed`] first; the hot
+/// paths (a cache hit, a cache push) make no such call and skip even its load.
 #[inline(always)]
 fn guarded<T>(call: &'static str, on_panic: T, f: impl FnOnce() -> T) -> T {
-    // Every entry point, while a capture is declared: none of the driver calls it may make
-    // (event queries, syncs) may fail or invalidate a capture in GLOBAL mode.
-    let _relaxed = relaxed();
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(v) => v,
         Err(payload) => {
@@ -390,6 +397,7 @@ fn malloc_hit(m: &memo::Memo, size: usize, device: c_int, raw: u64) -> Option<*m
 #[cold]
 #[inline(never)]
 fn malloc_miss(m: &memo::Memo, cache: &crate::StreamCache, size: usize) -> *mut c_void {
+    let _relaxed = relaxed();
     match cache.alloc(size) {
         Ok(block) => {
             // `size` packs (checked by the caller): the block goes to its slot as it is.
@@ -499,6 +507,7 @@ fn refused_malloc(size: ssize_t, device: c_int) -> *mut c_void {
 #[cold]
 #[inline(never)]
 fn malloc_slow(size: usize, device: c_int, raw: u64) -> *mut c_void {
+    let _relaxed = relaxed();
     if let Ok(Some(p)) = MEMO.try_with(|m| malloc_hit_cuda(m, size, device, raw)) {
         return p;
     }
@@ -578,6 +587,7 @@ fn free(addr: u64, size: ssize_t, device: c_int, raw: u64) {
 #[cold]
 #[inline(never)]
 fn free_freed(m: &memo::Memo, addr: u64, len: u64, size_class: u64) {
+    let _relaxed = relaxed();
     // SAFETY: the memo names a device, whose pool pointer is never null.
     let pool = unsafe { NonNull::new_unchecked(m.pool.get().cast_mut()) };
     let parts = Parts { addr, len, size_class, stream: m.stream_id.get(), pool };
@@ -589,6 +599,7 @@ fn free_freed(m: &memo::Memo, addr: u64, len: u64, size_class: u64) {
 #[cold]
 #[inline(never)]
 fn free_slow(addr: u64, size: ssize_t, device: c_int, raw: u64) {
+    let _relaxed = relaxed();
     if let Err(e) = free_checked(addr, size, device, raw) {
         e.report();
     }
@@ -755,6 +766,7 @@ fn refusal(call: &str, addr: u64, size: ssize_t, raw: u64, r: Refusal, seen: Opt
 
 fn record_stream(addr: u64, raw: u64) -> Result<(), AbiError> {
     use vrampool_status::*;
+    let _relaxed = relaxed();
     let call = "vrampool_record_stream";
     let counter = Counter::FailedRecordStreams;
     if addr == 0 {
