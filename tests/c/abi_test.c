@@ -327,6 +327,33 @@ static void threads(void) {
     CHECK(stat(0, "abi_late_double_frees") == 0);
 }
 
+/* A capture's graph pool, as a C program that captures declares it: the capture's memory
+ * comes from the pool, is refused when freed wrongly, and goes back once the pool is
+ * released, its blocks freed and the cache emptied. */
+static void graph_pool(void) {
+    void *s = stream_of(40);
+    CHECK(vrampool_malloc_to_pool(4096, 0, s, 5, 0) == NULL); /* not opened */
+    CHECK(vrampool_last_error() != NULL);
+    CHECK(vrampool_begin_allocate_to_pool(0, 5, 0) == 0);
+    void *p = vrampool_malloc_to_pool(1 << 20, 0, s, 5, 0);
+    CHECK(p != NULL && ((uintptr_t)p % 256) == 0);
+    CHECK(stat(0, "graph_pool_blocks") == 1);
+    vrampool_free(p, (1 << 20) + 1, 0, s);
+    CHECK_ERROR(VRAMPOOL_ERROR_INVALID_FREE);
+    vrampool_free(p, 1 << 20, 0, s);
+    CHECK_NO_ERROR();
+    vrampool_free(p, 1 << 20, 0, s);
+    CHECK_ERROR(VRAMPOOL_ERROR_DOUBLE_FREE);
+    CHECK(vrampool_end_allocate_to_pool(0, 5, 0) == 0);
+    CHECK(vrampool_end_allocate_to_pool(0, 5, 0) == VRAMPOOL_ERROR_INVALID_ARGUMENT);
+    CHECK(vrampool_last_error() != NULL);
+    CHECK(vrampool_release_pool(0, 5, 0) == 0);
+    CHECK(stat(0, "graph_pools") == 1);
+    CHECK(vrampool_empty_cache() == 0);
+    CHECK(stat(0, "graph_pools") == 0);
+    CHECK(stat(0, "graph_pool_reserved_bytes") == 0);
+}
+
 /* Run with a bad VRAMPOOL_DEVICE: every call that needs a pool fails with a clear error. */
 static int bad_config(void) {
     CHECK(vrampool_malloc(4096, 0, NULL) == NULL);
@@ -358,6 +385,7 @@ int main(int argc, char **argv) {
     record_stream_inputs();
     stream_destroyed();
     threads();
+    graph_pool();
     CHECK(stat(0, "allocated_bytes") == 0);
     CHECK(vrampool_empty_cache() == 0);
     CHECK_NO_ERROR();
