@@ -117,9 +117,10 @@ int vrampool_end_allocate_to_pool(int device, uint64_t pool_a, uint64_t pool_b);
 
 // A graph that used pool `(pool_a, pool_b)` is gone (PyTorch's `releasePool`; one call
 // per `vrampool_begin_allocate_to_pool`). Once every such graph is, the pool's memory goes
-// back at the first `vrampool_empty_cache` after its last block is freed, as PyTorch gives
-// a released private pool back when its cache is emptied (a later graph may still replay
-// into a block the pool held). Returns 0, or a `vrampool_status` with the error set.
+// back at the first `vrampool_empty_cache` (or allocation out of memory) after its last
+// block is freed, as PyTorch gives a released private pool back only then (a later graph
+// may still replay into a block the pool held). Returns 0, or a `vrampool_status` with
+// the error set.
 int vrampool_release_pool(int device, uint64_t pool_a, uint64_t pool_b);
 
 // Allocate `size` bytes in open graph pool `(pool_a, pool_b)` for the capture on `stream`.

@@ -50,12 +50,14 @@ fn stat(key: &str) -> u64 {
 /// One test, the two parts in turn: the statistics are the process's.
 #[test]
 fn graph_pools() {
-    registry::configure(Config { device: DeviceChoice::Sim, ..Config::default() }).unwrap();
+    // A small device, so that a graph pool's pages can stand in the way of an allocation.
+    registry::configure(Config { device: DeviceChoice::Sim, sim_bytes: 1 << 30, ..Config::default() }).unwrap();
     a_graph_pools_memory_serves_only_that_pool_until_it_is_released();
     a_shared_pool_stays_until_every_graph_that_used_it_is_released();
     two_branches_of_one_capture_do_not_share_freed_memory();
     freed_graph_memory_stays_mapped_until_the_pool_finishes();
     a_released_pools_block_freed_by_a_later_capture_stays_mapped();
+    an_allocation_out_of_memory_gets_the_released_pools_pages();
     bad_graph_pool_calls_are_refused_and_change_nothing();
 }
 
@@ -204,6 +206,25 @@ fn freed_graph_memory_stays_mapped_until_the_pool_finishes() {
         dev.memset(small, 0, 4096, &stream).and_then(|_| dev.synchronize(&stream)).is_err(),
         "released memory is unmapped"
     );
+}
+
+/// A released pool whose blocks are freed holds device memory until `empty_cache`, or until
+/// an allocation runs out of memory: that one gets it back, and succeeds.
+fn an_allocation_out_of_memory_gets_the_released_pools_pages() {
+    let pool = (41, 0);
+    let big = 512 * MIB;
+    assert_eq!(vrampool_begin_allocate_to_pool(0, pool.0, pool.1), 0, "{:?}", last_error());
+    let g = to_pool(big, pool);
+    assert_ne!(g, 0, "{:?}", last_error());
+    free(g, big);
+    assert_eq!(vrampool_end_allocate_to_pool(0, pool.0, pool.1), 0);
+    assert_eq!(vrampool_release_pool(0, pool.0, pool.1), 0);
+    assert_eq!(stat("graph_pools"), 1);
+    // 1 GiB of device, half of it the released pool's: this needs that half.
+    let p = malloc(640 * MIB);
+    assert_eq!(stat("graph_pools"), 0, "the out-of-memory retry gave the pool back");
+    free(p, 640 * MIB);
+    assert_eq!(vrampool_empty_cache(), 0, "{:?}", last_error());
 }
 
 fn bad_graph_pool_calls_are_refused_and_change_nothing() {

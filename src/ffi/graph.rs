@@ -27,8 +27,8 @@
 //!    pool, and a graph replays its memory whether or not its tensors are alive), every
 //!    block of it was freed, no capture is underway anywhere (a device-wide synchronize would
 //!    fail on a capturing stream), and the device was synchronized (a replay may be running
-//!    on any stream); and then only at `vrampool_empty_cache`, as PyTorch gives a released
-//!    private pool back only when its cache is emptied. Sooner is wrong: a tensor of a
+//!    on any stream); and then only at `vrampool_empty_cache` or when an allocation runs out
+//!    of memory, as PyTorch gives a released private pool back only then. Sooner is wrong: a tensor of a
 //!    released pool may be read by a later capture and freed during it (PyTorch's
 //!    `test_graph_capture_reset_recapture` does), and that graph replays into it; giving the
 //!    pool back as that capture ended faulted the replay on an H200.
@@ -249,8 +249,13 @@ pub(crate) fn release(device: usize, id: PoolId) -> Result<()> {
     Ok(())
 }
 
+/// Whether [`finish_ready`] would give a pool back now.
+pub(crate) fn finishable() -> bool {
+    snapshot().load().iter().any(|p| GraphPool::can_finish(&p.state()))
+}
+
 /// Give back every released pool whose blocks are all freed, if no capture is underway
-/// (`vrampool_empty_cache`).
+/// (`vrampool_empty_cache`, and an allocation out of memory before it tries again).
 pub(crate) fn finish_ready() -> Result<()> {
     let ready: Vec<_> = snapshot().load().iter().filter(|p| GraphPool::can_finish(&p.state())).cloned().collect();
     ready.iter().try_for_each(finish)

@@ -169,9 +169,10 @@ pub extern "C" fn vrampool_end_allocate_to_pool(device: c_int, pool_a: u64, pool
 
 /// A graph that used pool `(pool_a, pool_b)` is gone (PyTorch's `releasePool`; one call
 /// per `vrampool_begin_allocate_to_pool`). Once every such graph is, the pool's memory goes
-/// back at the first `vrampool_empty_cache` after its last block is freed, as PyTorch gives
-/// a released private pool back when its cache is emptied (a later graph may still replay
-/// into a block the pool held). Returns 0, or a `vrampool_status` with the error set.
+/// back at the first `vrampool_empty_cache` (or allocation out of memory) after its last
+/// block is freed, as PyTorch gives a released private pool back only then (a later graph
+/// may still replay into a block the pool held). Returns 0, or a `vrampool_status` with
+/// the error set.
 #[no_mangle]
 pub extern "C" fn vrampool_release_pool(device: c_int, pool_a: u64, pool_b: u64) -> c_int {
     graph_call("vrampool_release_pool", device, |d| graph::release(d, (pool_a, pool_b)))
@@ -471,8 +472,8 @@ fn malloc_failed(dev: &AbiDevice, m: &memo::Memo, size: usize, e: Error) -> *mut
     // SAFETY: the memo names a stream record, which lives for ever.
     let rec = unsafe { &*m.rec.get() };
     let retried = match e {
-        Error::OutOfMemory(_) if foreign::pending() > 0 => {
-            foreign::settle(true);
+        Error::OutOfMemory(_) if foreign::pending() > 0 || graph::finishable() => {
+            give_back_for_oom();
             dev.entry.pool.alloc(size, &rec.stream)
         }
         // The memo's stream was declared destroyed (`vrampool_stream_destroyed`) and its
@@ -491,6 +492,18 @@ fn malloc_failed(dev: &AbiDevice, m: &memo::Memo, size: usize, e: Error) -> *mut
             std::ptr::null_mut()
         }
     }
+}
+
+/// Before an allocation that ran out of memory is tried again: settle the frees other
+/// threads handed over, and give back the released graph pools (as PyTorch frees its
+/// released private pools before it retries).
+#[cold]
+#[inline(never)]
+fn give_back_for_oom() {
+    foreign::settle(true);
+    // A pool that cannot be given back now stays for `vrampool_empty_cache`; the retry
+    // reports the out-of-memory if it fails again.
+    let _ = graph::finish_ready();
 }
 
 #[cold]
@@ -537,8 +550,8 @@ fn malloc_checked(size: usize, device: c_int, raw: u64) -> Result<*mut c_void, A
     // The pool's own path (it finds the cache just remembered), for the reason given at
     // `malloc_hit_cuda`.
     let block = match dev.entry.pool.alloc(size, &rec.stream) {
-        Err(Error::OutOfMemory(_)) if foreign::pending() > 0 => {
-            foreign::settle(true);
+        Err(Error::OutOfMemory(_)) if foreign::pending() > 0 || graph::finishable() => {
+            give_back_for_oom();
             dev.entry.pool.alloc(size, &rec.stream)
         }
         r => r,
