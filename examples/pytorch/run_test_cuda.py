@@ -172,6 +172,7 @@ def read_results(stem: str) -> dict:
     call's outcome (or the setup's skip); then the deadline files turn a crash into a
     "timeout" where faulthandler ended the worker."""
     reports: dict = {}
+    order: dict = {}  # nodeid -> its first record's place in the file (a worker's order)
     if os.path.exists(stem + ".jsonl"):
         with open(stem + ".jsonl") as f:
             for line in f:
@@ -180,6 +181,7 @@ def read_results(stem: str) -> dict:
                 except json.JSONDecodeError:
                     continue  # a line cut short by a kill
                 reports.setdefault(r["nodeid"], []).append(r)
+                order.setdefault(r["nodeid"], len(order))
     tests = {}
     for nodeid, rs in reports.items():
         crashed = [r for r in rs if r["outcome"] == "failed" and "crashed while running" in r["message"]]
@@ -197,7 +199,9 @@ def read_results(stem: str) -> dict:
         else:
             outcome, r = rs[0]["outcome"], rs[0]
         tests[nodeid] = {"outcome": outcome, "message": r["message"],
-                         "duration": round(sum(x["duration"] for x in rs), 3)}
+                         "duration": round(sum(x["duration"] for x in rs), 3),
+                         "worker": f"{os.path.basename(stem)}:{rs[0].get('worker', '?')}",
+                         "order": order[nodeid]}
     folder = stem + "-timeouts"
     if os.path.isdir(folder):
         for name in os.listdir(folder):
@@ -234,6 +238,30 @@ LIMITS = [
      lambda m: "pluggable-allocator limit: no graph pools for vrampool"),
     (re.compile(r"vrampool"), lambda m: "vrampool refused a call: investigate"),
 ]
+
+
+# Errors after which every later test of the same pytest worker fails: a sticky CUDA error
+# (the context is lost) or a capture left open (every later launch is refused).
+POISON = re.compile(r"illegal memory access|operation not permitted when stream is capturing|"
+                    r"Offset increment outside graph capture|operation failed due to a previous error during capture")
+
+
+def poisoned_by(results: dict) -> dict:
+    """nodeid -> the first test of the same worker that failed with a poisoning error, for
+    each test that ran after it (the culprit may be a test before that one: a capture left
+    open shows only in the next test's failure)."""
+    by_worker: dict = {}
+    for nodeid, t in results.items():
+        by_worker.setdefault(t.get("worker"), []).append((t.get("order", 0), nodeid))
+    out = {}
+    for tests in by_worker.values():
+        first = None
+        for _, nodeid in sorted(tests):
+            if first is not None:
+                out[nodeid] = first
+            elif results[nodeid]["outcome"] in BAD and POISON.search(results[nodeid]["message"]):
+                first = nodeid
+    return out
 
 
 def guess(message: str) -> str:
@@ -280,11 +308,20 @@ def summarize(args, runs: dict, results: dict) -> tuple[list[str], dict]:
         report.update(fails_only_under=fails_b, fails_skipped_under_other=skipped_a, passes_only_under=fails_a)
         out += ["", f"Fail only under {b} (passed under {a}): {len(fails_b)}", ""]
         if fails_b:
+            poisoned = poisoned_by(results[b])
+            why = {t: (f"ran in a poisoned worker (first seen in {poisoned[t].split('::', 1)[-1]})" if t in poisoned
+                       else guess(results[b][t]["message"])) for t in fails_b}
+            kinds = {}
+            for w in why.values():
+                k = "ran in a poisoned worker" if w.startswith("ran in a poisoned") else w
+                kinds[k] = kinds.get(k, 0) + 1
+            out += ["By reason: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1])), ""]
             out += [f"| test | {b} | first guess | message |", "|---|---|---|---|"]
             for t in fails_b:
                 r = results[b][t]
                 msg = r["message"].replace("|", "/")[:400]
-                out.append(f"| {t.split('::', 1)[-1]} | {r['outcome']} | {guess(r['message'])} | {msg} |")
+                out.append(f"| {t.split('::', 1)[-1]} | {r['outcome']} | {why[t]} | {msg} |")
+            report.update(poisoned=poisoned)
         if skipped_a:
             out += ["", f"Fail under {b}, skipped under {a}: " + ", ".join(t.split("::", 1)[-1] for t in skipped_a)]
         out += ["", f"Fail only under {a} (passed under {b}): {len(fails_a)}"
