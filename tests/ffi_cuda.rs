@@ -5,11 +5,14 @@
 //! `cargo test --release --test ffi_cuda -- --ignored`.
 #![cfg(feature = "cuda")]
 
-use std::ffi::{c_void, CStr};
-use std::sync::Arc;
+#[path = "support/cuda_registry.rs"]
+mod cuda_registry;
 
+use std::ffi::{c_void, CStr};
+
+use cuda_registry::cuda_registry;
 use vrampool::ffi::*;
-use vrampool::registry::{self, Config, DeviceChoice};
+use vrampool::registry;
 use vrampool::{CudaDevice, Device, Stream};
 
 const PER_THREAD: u64 = 0x2;
@@ -54,15 +57,7 @@ fn touch(dev: &CudaDevice, p: u64, size: usize, byte: u8, stream: &Stream) {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn the_c_abi_on_cuda_streams() {
-    let dev = match CudaDevice::new(0) {
-        Ok(d) => Arc::new(d),
-        Err(e) => {
-            eprintln!("skipped: no CUDA GPU ({e})");
-            return;
-        }
-    };
-    registry::configure(Config { device: DeviceChoice::Cuda, ..Config::default() }).unwrap();
-    dev.bind_context().unwrap();
+    let Some(dev) = cuda_registry() else { return };
 
     // Legacy default stream, and the calling thread's per-thread stream.
     let legacy = malloc(1 << 20, 0);

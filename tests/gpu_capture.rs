@@ -9,13 +9,15 @@
 //! `cargo test --release --features cuda --test gpu_capture -- --ignored`.
 #![cfg(feature = "cuda")]
 
-use std::ffi::{c_void, CStr};
-use std::sync::Arc;
+#[path = "support/cuda_registry.rs"]
+mod cuda_registry;
 
+use std::ffi::{c_void, CStr};
+
+use cuda_registry::cuda_registry;
 use vrampool::cudarc::driver::sys;
 use vrampool::ffi::*;
-use vrampool::registry::{self, Config, DeviceChoice};
-use vrampool::{CudaDevice, Device};
+use vrampool::Device;
 
 const MIB: usize = 1 << 20;
 const POOL: (u64, u64) = (11, 0);
@@ -34,15 +36,7 @@ fn check(rc: sys::CUresult, what: &str) {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_capture_survives_vrampool_and_replays_into_its_own_pool() {
-    let dev = match CudaDevice::new(0) {
-        Ok(d) => Arc::new(d),
-        Err(e) => {
-            eprintln!("skipped: no CUDA GPU ({e})");
-            return;
-        }
-    };
-    registry::configure(Config { device: DeviceChoice::Cuda, ..Config::default() }).unwrap();
-    dev.bind_context().unwrap();
+    let Some(dev) = cuda_registry() else { return };
     let capture = dev.create_stream().unwrap();
     let replay = dev.create_stream().unwrap();
     let other = dev.create_stream().unwrap();
