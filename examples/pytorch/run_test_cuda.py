@@ -46,6 +46,16 @@ VERSION_FILE = "torch_git_version"
 TEST_DEPENDENCIES = ("expecttest", "psutil")
 RUNNER_DEPENDENCIES = ("pytest", "xdist")
 BAD = ("failed", "error", "timeout", "crashed")
+# Tests left out of both runs (--keep-poisoners runs them): each fails under PyTorch's own
+# allocator too with 2.11 and the stored test file (a fork's, newer than 2.11), and leaves
+# a capture or the generator's capture state behind, which fails every later test of its
+# xdist worker; which tests those are depends on scheduling, so they hid the comparison
+# (H200, 2026-12-02: PyTorch's own pass count moved by 27 between two runs).
+POISONERS = {
+    "TestCuda::test_graphsafe_set_get_rng_state": "Attempt to increase offset for a CUDA generator not in capture mode",
+    "TestCuda::test_graph_rng_after_failed_capture": "Offset increment outside graph capture encountered unexpectedly",
+    "TestCuda::test_graph_rng_concurrent_captures": "Attempt to increase offset for a CUDA generator not in capture mode",
+}
 
 
 # ---- preparing TESTS_DIR from a PyTorch checkout -------------------------------------------
@@ -143,6 +153,8 @@ def run_phase(args, alloc: str, phase: str, env: dict, budget: float) -> dict:
            "-m", marker, "--junitxml", stem + ".xml", "-q", "-rN", "--tb=short"]
     if args.k:
         cmd += ["-k", args.k]
+    if not args.keep_poisoners:
+        cmd += [f"--deselect={os.path.join(args.tests, TEST_FILE)}::{t}" for t in POISONERS]
     t0 = time.perf_counter()
     with open(stem + ".log", "w") as log:
         log.write(" ".join(cmd) + "\n\n")
@@ -278,7 +290,8 @@ def summarize(args, runs: dict, results: dict) -> tuple[list[str], dict]:
 
     out = [f"PyTorch {torch.__version__} ({torch.version.git_version[:12]}), {TEST_FILE} from "
            f"{args.test_version or 'an unknown commit'}; {args.workers} workers, {args.timeout:.0f} s a test, "
-           f"{args.budget:.0f} s a run{', -k ' + args.k if args.k else ''}", ""]
+           f"{args.budget:.0f} s a run{', -k ' + args.k if args.k else ''}"
+           + ("" if args.keep_poisoners else f"; left out of both runs: {', '.join(POISONERS)} (see POISONERS)"), ""]
     kinds = ("passed", "failed", "error", "crashed", "timeout", "skipped", "xfailed", "xpassed")
     out += ["| outcome | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
     counts = {n: {k: sum(1 for t in results[n].values() if t["outcome"] == k) for k in kinds} for n in names}
@@ -404,6 +417,8 @@ def main() -> int:
     p.add_argument("--budget", type=float, default=210.0, help="seconds for each allocator's run (both phases)")
     p.add_argument("--serial-budget", type=float, default=40.0, help="seconds of --budget kept for the serial tests")
     p.add_argument("-k", help="pytest's -k expression: a subset")
+    p.add_argument("--keep-poisoners", action="store_true",
+                   help="also run the tests of POISONERS (left out of both runs by default)")
     p.add_argument("--out", help="folder for the results (default: a new one under /tmp)")
     p.add_argument("--prepare-from", metavar="MIRROR_GIT_DIR",
                    help=f"make TESTS_DIR: copy test/{TEST_FILE} and what it imports from this git dir")
