@@ -9,6 +9,16 @@ fn pool(capacity: u64) -> (SimDevice, Pool, Stream) {
     (dev, pool, s)
 }
 
+/// `stream` runs nothing enqueued after this until the returned sender is dropped.
+fn stalled(dev: &SimDevice, stream: &Stream) -> std::sync::mpsc::Sender<()> {
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    dev.enqueue(stream, move || {
+        let _ = rx.recv();
+    })
+    .unwrap();
+    tx
+}
+
 #[test]
 fn blocks_are_aligned_exact_and_accounted() {
     let (_dev, pool, s) = pool(1 << 30);
@@ -122,11 +132,7 @@ fn same_stream_reuse_needs_no_event() {
 fn another_stream_does_not_get_memory_freed_on_a_stream_that_has_not_reached_the_free() {
     let (dev, pool, s) = pool(1 << 30);
     let other = dev.new_stream().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel::<()>();
-    dev.enqueue(&s, move || {
-        let _ = rx.recv();
-    })
-    .unwrap();
+    let tx = stalled(&dev, &s);
     let a = pool.alloc(1 << 20, &s).unwrap();
     let addr = a.device_ptr();
     drop(a);
@@ -146,11 +152,7 @@ fn a_block_used_on_a_busy_stream_serves_the_next_request_behind_a_device_wait() 
     // rather than new pages, and without the host waiting.
     let (dev, pool, s) = pool(1 << 30);
     let copy = dev.new_stream().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel::<()>();
-    dev.enqueue(&copy, move || {
-        let _ = rx.recv();
-    })
-    .unwrap();
+    let tx = stalled(&dev, &copy);
     const BIG: usize = 96 << 20;
     let a = pool.alloc(BIG, &s).unwrap();
     let addr = a.device_ptr();

@@ -32,6 +32,27 @@ fn record(queue: &AtomicU64, done: &Arc<AtomicBool>) -> Ev {
     Ev { at: queue.fetch_add(1, Ordering::AcqRel), done: done.clone() }
 }
 
+/// What a model's stream is made of: its fence log, its queue (the number of the next
+/// item enqueued), the completion of the one event the model records, and the collector
+/// its threads pin.
+struct Stream {
+    collector: Arc<Collector>,
+    log: Arc<FenceLog<Ev>>,
+    queue: Arc<AtomicU64>,
+    done: Arc<AtomicBool>,
+}
+
+impl Stream {
+    fn new() -> Stream {
+        Stream {
+            collector: Arc::new(Collector::new()),
+            log: Arc::new(FenceLog::new()),
+            queue: Arc::new(AtomicU64::new(0)),
+            done: Arc::new(AtomicBool::new(false)),
+        }
+    }
+}
+
 /// The same-stream handoff: a thread frees a block right after enqueuing the block's last
 /// use, while another thread records an event on the stream (as the pool does for
 /// `note_free` or another stream's request). Whatever the interleaving, an event whose
@@ -40,10 +61,7 @@ fn record(queue: &AtomicU64, done: &Arc<AtomicBool>) -> Ev {
 #[test]
 fn an_event_numbered_at_or_past_a_free_s_fence_is_recorded_after_its_last_use() {
     loom::model(|| {
-        let collector = Arc::new(Collector::new());
-        let log: Arc<FenceLog<Ev>> = Arc::new(FenceLog::new());
-        let queue = Arc::new(AtomicU64::new(0));
-        let done = Arc::new(AtomicBool::new(false));
+        let Stream { collector, log, queue, done } = Stream::new();
         let recorder = {
             let (log, queue, done, c) = (log.clone(), queue.clone(), done.clone(), collector.clone());
             thread::spawn(move || {
@@ -71,9 +89,7 @@ fn an_event_numbered_at_or_past_a_free_s_fence_is_recorded_after_its_last_use() 
 #[test]
 fn a_device_wait_and_a_poll_never_run_ahead_of_the_freed_block_s_last_use() {
     loom::model(|| {
-        let collector = Arc::new(Collector::new());
-        let log: Arc<FenceLog<Ev>> = Arc::new(FenceLog::new());
-        let queue = Arc::new(AtomicU64::new(0));
+        let Stream { collector, log, queue, .. } = Stream::new();
         // The "GPU" has run every enqueued item below `passed`.
         let passed = Arc::new(AtomicU64::new(0));
         let ev_done = Arc::new(AtomicBool::new(false));
@@ -132,10 +148,7 @@ fn a_device_wait_and_a_poll_never_run_ahead_of_the_freed_block_s_last_use() {
 #[test]
 fn a_free_racing_the_final_event_is_covered_by_it() {
     loom::model(|| {
-        let collector = Arc::new(Collector::new());
-        let log: Arc<FenceLog<Ev>> = Arc::new(FenceLog::new());
-        let queue = Arc::new(AtomicU64::new(0));
-        let done = Arc::new(AtomicBool::new(false));
+        let Stream { collector, log, queue, done } = Stream::new();
         let last_use = queue.fetch_add(1, Ordering::AcqRel);
         let destroyer = {
             let (log, queue, done, c) = (log.clone(), queue.clone(), done.clone(), collector.clone());

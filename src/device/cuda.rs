@@ -313,15 +313,8 @@ impl CudaInner {
     }
 
     fn capturing(&self, h: &CudaStream) -> Result<bool> {
-        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        // SAFETY: the stream is live (the caller checked) and of our context, which is bound.
-        let rc = unsafe { sys::cuStreamIsCapturing(h.raw(), &mut status) };
-        match rc {
-            CUresult::CUDA_SUCCESS => Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE),
-            // The legacy stream while another stream captures in global mode: it cannot run.
-            CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT => Ok(true),
-            rc => Err(driver_error("cuStreamIsCapturing", rc)),
-        }
+        // The stream is live (the caller checked) and of our context, which is bound.
+        raw_is_capturing(h.raw() as u64)
     }
 
     /// The checks shared by every operation that needs the stream's work to run.
@@ -922,6 +915,7 @@ pub(crate) fn raw_is_capturing(raw: u64) -> Result<bool> {
     let rc = unsafe { sys::cuStreamIsCapturing(raw as usize as sys::CUstream, &mut status) };
     match rc {
         CUresult::CUDA_SUCCESS => Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE),
+        // The legacy stream while another stream captures in global mode: it cannot run.
         CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT => Ok(true),
         rc => Err(driver_error("cuStreamIsCapturing", rc)),
     }

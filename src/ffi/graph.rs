@@ -116,9 +116,18 @@ fn list() -> MutexGuard<'static, Vec<Arc<GraphPool>>> {
     LIST.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// The pool `id` of `device` not yet finished, preferring the open (not released) one: a
+/// released pool waiting to be given back and a new one of the same id may both be there.
+fn find_pool(device: usize, id: PoolId, open_only: bool) -> Option<Arc<GraphPool>> {
+    let pools = snapshot().load();
+    let mut named = pools.iter().filter(|p| p.device == device && p.id == id);
+    let open = named.clone().find(|p| !p.state().released);
+    open.or_else(|| if open_only { None } else { named.next() }).cloned()
+}
+
 /// The open (not released) pool `id` of `device`.
 fn open_pool(device: usize, id: PoolId) -> Option<Arc<GraphPool>> {
-    snapshot().load().iter().find(|p| p.device == device && p.id == id && !p.state().released).cloned()
+    find_pool(device, id, true)
 }
 
 /// The pool whose address range holds `addr`.
@@ -129,9 +138,9 @@ fn pool_holding(addr: u64) -> Option<Arc<GraphPool>> {
 /// Open pool `id` on `device` (or join it: graphs may share a pool) for a capture: until
 /// [`end`], [`malloc`] serves it.
 pub(crate) fn begin(device: usize, id: PoolId) -> Result<()> {
+    // Under the list's lock: the snapshot changes only under it.
     let mut pools = list();
-    let existing = pools.iter().find(|p| p.device == device && p.id == id && !p.state().released).cloned();
-    let pool = match existing {
+    let pool = match open_pool(device, id) {
         Some(p) => p,
         None => {
             let abi = super::device::get(device)?;
@@ -166,9 +175,7 @@ pub(crate) fn begin(device: usize, id: PoolId) -> Result<()> {
 /// The capture into pool `id` that [`begin`] opened has ended: later allocations go to the
 /// ordinary pools again. Pools released meanwhile finish once no capture is underway.
 pub(crate) fn end(device: usize, id: PoolId) -> Result<()> {
-    let pool = open_pool(device, id)
-        .or_else(|| list().iter().find(|p| p.device == device && p.id == id).cloned())
-        .ok_or_else(|| unknown(device, id))?;
+    let pool = find_pool(device, id, false).ok_or_else(|| unknown(device, id))?;
     {
         let mut s = pool.state();
         if s.capturing == 0 {
@@ -290,8 +297,9 @@ fn unknown(device: usize, id: PoolId) -> Error {
     ))
 }
 
-/// Graph pools not finished, as (device, id, live blocks, bytes reserved): for the
-/// statistics and tests.
-pub(crate) fn pools() -> Vec<(usize, PoolId, usize, u64)> {
-    snapshot().load().iter().map(|p| (p.device, p.id, p.state().live.len(), p.pool.stats().reserved_bytes)).collect()
+/// Device `device`'s graph pools not finished, as (live blocks, bytes reserved) each: for
+/// the statistics.
+pub(crate) fn pools(device: usize) -> Vec<(usize, u64)> {
+    let pools = snapshot().load();
+    pools.iter().filter(|p| p.device == device).map(|p| (p.state().live.len(), p.pool.stats().reserved_bytes)).collect()
 }

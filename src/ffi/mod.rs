@@ -231,7 +231,7 @@ fn graph_call(call: &'static str, device: c_int, f: impl FnOnce(usize) -> Result
 /// the guard drops, so that the pool's event and stream queries neither fail nor invalidate
 /// the capture (`device::cuda::RelaxedCapture`).
 #[inline(always)]
-fn relaxed() -> Option<impl Drop> {
+fn relaxed() -> Option<impl Sized> {
     if !registry::captures_underway() {
         return None;
     }
@@ -240,23 +240,14 @@ fn relaxed() -> Option<impl Drop> {
 
 #[cold]
 #[inline(never)]
-fn relax_now() -> Option<impl Drop> {
+fn relax_now() -> Option<impl Sized> {
     #[cfg(feature = "cuda")]
     return match registry::device_kind() {
         Ok(crate::DeviceKind::Cuda) => crate::device::cuda::RelaxedCapture::enter(),
         _ => None, // the simulator has no capture modes (nor, maybe, a CUDA driver)
     };
     #[cfg(not(feature = "cuda"))]
-    return None::<NoGuard>;
-}
-
-/// The simulator's stand-in for the RELAXED guard: it has no capture modes.
-#[cfg(not(feature = "cuda"))]
-struct NoGuard;
-
-#[cfg(not(feature = "cuda"))]
-impl Drop for NoGuard {
-    fn drop(&mut self) {}
+    return None::<()>; // without CUDA there are no capture modes
 }
 
 /// Give back what every pool holds and does not use: settle pending frees, close every
@@ -472,10 +463,6 @@ fn malloc_failed(dev: &AbiDevice, m: &memo::Memo, size: usize, e: Error) -> *mut
     // SAFETY: the memo names a stream record, which lives for ever.
     let rec = unsafe { &*m.rec.get() };
     let retried = match e {
-        Error::OutOfMemory(_) if foreign::pending() > 0 || graph::finishable() => {
-            give_back_for_oom();
-            dev.entry.pool.alloc(size, &rec.stream)
-        }
         // The memo's stream was declared destroyed (`vrampool_stream_destroyed`) and its
         // handle value is in use again: the slow path finds the new stream.
         Error::StreamDestroyed => {
@@ -483,7 +470,7 @@ fn malloc_failed(dev: &AbiDevice, m: &memo::Memo, size: usize, e: Error) -> *mut
             m.forget();
             return malloc_slow(size, m.device.get() as c_int, raw);
         }
-        e => Err(e),
+        e => retry_out_of_memory(dev, size, &rec.stream, e),
     };
     match retried {
         Ok(block) => publish(dev, block, rec.token, m.owner.get()),
@@ -494,16 +481,20 @@ fn malloc_failed(dev: &AbiDevice, m: &memo::Memo, size: usize, e: Error) -> *mut
     }
 }
 
-/// Before an allocation that ran out of memory is tried again: settle the frees other
-/// threads handed over, and give back the released graph pools (as PyTorch frees its
-/// released private pools before it retries).
+/// An allocation on `stream` failed with `e`: if it ran out of memory and something can be
+/// given back — frees other threads handed over, released graph pools (as PyTorch frees
+/// its released private pools before it retries) — give it back and try once more.
 #[cold]
 #[inline(never)]
-fn give_back_for_oom() {
+fn retry_out_of_memory(dev: &AbiDevice, size: usize, stream: &crate::Stream, e: Error) -> Result<Block, Error> {
+    if !matches!(e, Error::OutOfMemory(_)) || (foreign::pending() == 0 && !graph::finishable()) {
+        return Err(e);
+    }
     foreign::settle(true);
     // A pool that cannot be given back now stays for `vrampool_empty_cache`; the retry
     // reports the out-of-memory if it fails again.
     let _ = graph::finish_ready();
+    dev.entry.pool.alloc(size, stream)
 }
 
 #[cold]
@@ -549,14 +540,12 @@ fn malloc_checked(size: usize, device: c_int, raw: u64) -> Result<*mut c_void, A
         .unwrap_or(0);
     // The pool's own path (it finds the cache just remembered), for the reason given at
     // `malloc_hit_cuda`.
-    let block = match dev.entry.pool.alloc(size, &rec.stream) {
-        Err(Error::OutOfMemory(_)) if foreign::pending() > 0 || graph::finishable() => {
-            give_back_for_oom();
-            dev.entry.pool.alloc(size, &rec.stream)
-        }
-        r => r,
-    };
-    let block = block.map_err(|e| AbiError::from_error(call, Counter::FailedMallocs, &e))?;
+    let block = dev
+        .entry
+        .pool
+        .alloc(size, &rec.stream)
+        .or_else(|e| retry_out_of_memory(dev, size, &rec.stream, e))
+        .map_err(|e| AbiError::from_error(call, Counter::FailedMallocs, &e))?;
     Ok(publish(dev, block, rec.token, owner))
 }
 

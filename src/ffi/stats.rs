@@ -29,13 +29,13 @@ impl Report {
     pub fn now(device: usize) -> crate::Result<Report> {
         let entry = registry::entry(device)?;
         super::foreign::settle(true);
-        let graphs: Vec<_> = super::graph::pools().into_iter().filter(|g| g.0 == device).collect();
+        let graphs = super::graph::pools(device);
         Ok(Report {
             stats: entry.pool.stats(),
             abi: AbiCounters::now(),
             graph_pools: graphs.len() as u64,
-            graph_pool_blocks: graphs.iter().map(|g| g.2 as u64).sum(),
-            graph_pool_reserved_bytes: graphs.iter().map(|g| g.3).sum(),
+            graph_pool_blocks: graphs.iter().map(|&(blocks, _)| blocks as u64).sum(),
+            graph_pool_reserved_bytes: graphs.iter().map(|&(_, bytes)| bytes).sum(),
         })
     }
 

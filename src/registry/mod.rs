@@ -241,13 +241,13 @@ pub(crate) fn capture_began() {
     CAPTURES.fetch_add(1, Ordering::SeqCst);
 }
 
-/// A capture declared by [`capture_began`] ended. Returns how many are still underway.
-pub(crate) fn capture_ended() -> usize {
-    let was = CAPTURES.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| Some(n.saturating_sub(1)));
-    was.map_or(0, |n| n.saturating_sub(1))
+/// A capture declared by [`capture_began`] ended (the caller checked that one had begun).
+pub(crate) fn capture_ended() {
+    CAPTURES.fetch_sub(1, Ordering::SeqCst);
 }
 
-/// Whether any declared capture is underway (one load: the C ABI reads it on every call).
+/// Whether any declared capture is underway (one load: the C ABI's cold paths and stream
+/// keys read it).
 #[inline]
 pub(crate) fn captures_underway() -> bool {
     CAPTURES.load(Ordering::Relaxed) != 0

@@ -501,10 +501,13 @@ impl Device for SimDevice {
         check_not_in_host_fn()?;
         let live: Vec<Arc<StreamShared>> = lock(&self.inner.raws).live.values().filter_map(Weak::upgrade).collect();
         for shared in live {
-            if lock(&shared.state).capturing {
-                return Err(Error::StreamCapturing);
-            }
-            let seq = lock(&shared.state).last_seq;
+            let seq = {
+                let st = lock(&shared.state);
+                if st.capturing {
+                    return Err(Error::StreamCapturing);
+                }
+                st.last_seq
+            };
             shared.wait_for(seq);
         }
         self.inner.check_fault()
