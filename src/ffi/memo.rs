@@ -82,6 +82,15 @@ impl Memo {
         }
     }
 
+    /// The table's view, read in place (a copy of its three words would go through the
+    /// stack on the hot paths).
+    #[inline(always)]
+    pub(crate) fn table(&self) -> &TableView<'static> {
+        // SAFETY: only `remember` sets the view, never while a caller holds this reference
+        // (the hot paths make no call that reaches it); the cell is the thread's own.
+        unsafe { &*self.table.as_ptr() }
+    }
+
     /// Whether the memo names (`device`, `raw`).
     #[inline(always)]
     pub(crate) fn names(&self, device: i64, raw: u64) -> bool {

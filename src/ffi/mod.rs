@@ -378,7 +378,9 @@ fn malloc_hit(m: &memo::Memo, size: usize, device: c_int, raw: u64) -> Option<*m
     match crate::pool::try_alloc_hit(shared, size) {
         Some((addr, size_class)) => {
             let info = size as u64 | m.token_bits.get();
-            m.table.get().publish_at(addr, m.owner.get(), Words { info, size: size_class, ext: false });
+            if !m.table().publish_at(addr, m.owner.get(), Words { info, size: size_class, ext: false }) {
+                return Some(outside_table(m, addr, size as u64, size_class));
+            }
             Some(addr as *mut c_void)
         }
         None => Some(malloc_miss(m, cache, size)),
@@ -396,12 +398,25 @@ fn malloc_miss(m: &memo::Memo, cache: &crate::StreamCache, size: usize) -> *mut 
             let (addr, len, size_class) = words::view(&block);
             std::mem::forget(block);
             let info = len | m.token_bits.get();
-            m.table.get().publish_at(addr, m.owner.get(), Words { info, size: size_class, ext: false });
+            if !m.table().publish_at(addr, m.owner.get(), Words { info, size: size_class, ext: false }) {
+                return outside_table(m, addr, len, size_class);
+            }
             addr as *mut c_void
         }
         // SAFETY: the memo names a device, which lives for ever.
         Err(e) => malloc_failed(unsafe { &*m.dev.get() }, m, size, e),
     }
+}
+
+/// The pool handed the memo's stream a block outside its table (a bug): it goes back, the
+/// allocation fails with the error set.
+#[cold]
+#[inline(never)]
+fn outside_table(m: &memo::Memo, addr: u64, len: u64, size_class: u64) -> *mut c_void {
+    free_freed(m, addr, len, size_class);
+    let msg = format!("vrampool_malloc: the pool handed out {addr:#x}, outside its range (a bug)");
+    AbiError::new(vrampool_status::VRAMPOOL_ERROR_INTERNAL, Counter::Internal, msg).report();
+    std::ptr::null_mut()
 }
 
 /// CUDA's memo path: as [`malloc_hit`], once the handle's key (one driver call) shows it
@@ -559,7 +574,7 @@ fn free(addr: u64, size: ssize_t, device: c_int, raw: u64) {
         // SAFETY: `free_device` names the device only while the thread holds its owner
         // record.
         let mine = unsafe { &*m.owner_rec.get() };
-        let table = m.table.get();
+        let table = m.table();
         let Some(idx) = table.index(addr) else { return false };
         let info = len | m.token_bits.get();
         match table.free_owned(idx, mine, m.owner.get(), info) {
@@ -584,8 +599,9 @@ fn free(addr: u64, size: ssize_t, device: c_int, raw: u64) {
     }
 }
 
-/// The rest of a hot-path free whose block the cache's hit path could not take: the block
-/// made again and dropped (its whole path). Out of line, so the hot path stays small.
+/// The rest of a hot-path free whose block the cache's hit path could not take (or a block
+/// that cannot be published): the block made again and dropped (its whole path). Out of
+/// line, so the hot path stays small.
 #[cold]
 #[inline(never)]
 fn free_freed(m: &memo::Memo, addr: u64, len: u64, size_class: u64) {
@@ -593,8 +609,9 @@ fn free_freed(m: &memo::Memo, addr: u64, len: u64, size_class: u64) {
     // SAFETY: the memo names a device, whose pool pointer is never null.
     let pool = unsafe { NonNull::new_unchecked(m.pool.get().cast_mut()) };
     let parts = Parts { addr, len, size_class, stream: m.stream_id.get(), pool };
-    // SAFETY: the slot held these parts (its info word matched the memo's stream, whose id
-    // this is), and the owner's free took it from live to free.
+    // SAFETY: these are the parts of a block the pool gave the memo's stream (whose id this
+    // is) and nobody else holds: a slot's, whose info word matched that stream and whose
+    // owner's free took it from live to free, or (`outside_table`) one just allocated.
     drop(unsafe { words::rebuild(parts) });
 }
 

@@ -213,19 +213,22 @@ impl<'a> TableView<'a> {
         (off % GRAIN == 0 && idx < self.len).then_some(idx)
     }
 
+    /// [`Table::publish`] at the slot of `addr`, a block the pool just handed out (so
+    /// 256-aligned, as the pool promises; only the range is checked here). False, with
+    /// nothing written, if `addr` is outside the table (a pool that broke its promise): a
+    /// check and a branch, not an assertion, whose message arguments would cost the hot path
+    /// a stack frame.
     #[inline(always)]
-    fn slot(&self, idx: usize) -> &'a Slot {
-        assert!(idx < self.len, "slot {idx} outside a table of {}", self.len);
-        // SAFETY: in bounds of the table's slots, which outlive `'a`.
-        unsafe { &*self.slots.add(idx) }
-    }
-
-    /// [`Table::publish`] at the slot of `addr`, a block the pool just handed out (so inside
-    /// the range and 256-aligned, as the pool promises; only the range is checked here).
-    #[inline(always)]
-    pub fn publish_at(&self, addr: u64, owner: usize, words: Words) {
+    #[must_use]
+    pub fn publish_at(&self, addr: u64, owner: usize, words: Words) -> bool {
         debug_assert_eq!(addr.wrapping_sub(self.base) % GRAIN, 0);
-        publish(self.slot((addr.wrapping_sub(self.base) / GRAIN) as usize), owner, words);
+        let idx = (addr.wrapping_sub(self.base) / GRAIN) as usize;
+        if idx >= self.len {
+            return false;
+        }
+        // SAFETY: in bounds of the table's slots, which outlive `'a`.
+        publish(unsafe { &*self.slots.add(idx) }, owner, words);
+        true
     }
 
     /// The owner's free of the block at `idx`, on the hot path: if the slot is live, owned
@@ -233,7 +236,13 @@ impl<'a> TableView<'a> {
     /// return its size word. `None` changes nothing: take [`Table::free_owned_with`].
     #[inline(always)]
     pub fn free_owned(&self, idx: usize, me: &Owner, me_id: usize, info: u64) -> Option<u64> {
-        let slot = self.slot(idx);
+        // Not an assertion (as in `publish_at`): an index out of range is no slot of this
+        // owner's.
+        if idx >= self.len {
+            return None;
+        }
+        // SAFETY: in bounds of the table's slots, which outlive `'a`.
+        let slot = unsafe { &*self.slots.add(idx) };
         me.announce(idx);
         light_fence();
         let tag = slot.tag.load(Ordering::Acquire);
@@ -312,12 +321,6 @@ impl Table {
             len: self.slots.len(),
             _table: std::marker::PhantomData,
         }
-    }
-
-    /// As [`TableView::publish_at`].
-    #[inline(always)]
-    pub fn publish_at(&self, addr: u64, owner: usize, words: Words) {
-        self.view().publish_at(addr, owner, words)
     }
 
     /// As [`TableView::free_owned`].
