@@ -33,6 +33,6 @@ mod tests;
 pub use buddy::{Arena, MIN_BLOCK, MIN_ORDER};
 pub use extent::Extents;
 pub use hbitmap::{HBitmap, SetOutcome};
-pub use pages::{Acquire, PageMap};
+pub use pages::{Acquire, PageMap, MAX_RUN};
 pub use space::{fence_parts, fence_word, Space, CHUNK, GRANULE};
 pub use stream::StreamArena;

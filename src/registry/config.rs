@@ -33,7 +33,8 @@ pub struct Config {
     /// `VRAMPOOL_MAX_CACHED` ([`PoolConfig::max_cached_bytes`]),
     /// `VRAMPOOL_THREAD_CACHE_BYTES` ([`PoolConfig::thread_cache_bytes`]),
     /// `VRAMPOOL_LARGEST_CACHED_CLASS` ([`PoolConfig::largest_cached_class`]),
-    /// `VRAMPOOL_RELEASE_THRESHOLD` ([`PoolConfig::release_threshold`]); the rest as
+    /// `VRAMPOOL_RELEASE_THRESHOLD` ([`PoolConfig::release_threshold`]),
+    /// `VRAMPOOL_MAP_RUN_PAGES` ([`PoolConfig::map_run_pages`]); the rest as
     /// [`PoolConfig::default`].
     pub pool: PoolConfig,
 }
@@ -55,6 +56,7 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ("VRAMPOOL_THREAD_CACHE_BYTES", "most bytes one thread's cache for one stream holds (default 256MiB)"),
     ("VRAMPOOL_LARGEST_CACHED_CLASS", "largest block size kept in the caches (default 64MiB)"),
     ("VRAMPOOL_RELEASE_THRESHOLD", "free mapped bytes kept between trims (default: all)"),
+    ("VRAMPOOL_MAP_RUN_PAGES", "pages mapped as one allocation when a block needs several, 1 to 64 (default 1)"),
 ];
 
 impl Default for Config {
@@ -116,6 +118,9 @@ impl Config {
         if let Some(b) = bytes("VRAMPOOL_RELEASE_THRESHOLD")? {
             c.pool.release_threshold = b;
         }
+        if let Some(n) = count("VRAMPOOL_MAP_RUN_PAGES")? {
+            c.pool.map_run_pages = n;
+        }
         c.validate()?;
         Ok(c)
     }
@@ -134,6 +139,10 @@ impl Config {
         }
         if self.pool.max_reserved == Some(0) {
             return Err(bad("VRAMPOOL_MAX_RESERVED", "0", "more than 0 bytes"));
+        }
+        // The pool would clamp it; a user who asked for more should hear so.
+        if !(1..=crate::arena::MAX_RUN).contains(&self.pool.map_run_pages) {
+            return Err(bad("VRAMPOOL_MAP_RUN_PAGES", &shown(&self.pool.map_run_pages), "1 to 64"));
         }
         Ok(())
     }
@@ -202,6 +211,7 @@ mod tests {
             ("VRAMPOOL_THREAD_CACHE_BYTES", "8M"),
             ("VRAMPOOL_LARGEST_CACHED_CLASS", "4M"),
             ("VRAMPOOL_RELEASE_THRESHOLD", "0"),
+            ("VRAMPOOL_MAP_RUN_PAGES", "16"),
         ])
         .unwrap();
         assert_eq!(c.device, DeviceChoice::Sim);
@@ -211,6 +221,7 @@ mod tests {
         assert_eq!(c.pool.thread_cache_bytes, 8 << 20);
         assert_eq!(c.pool.largest_cached_class, 4 << 20);
         assert_eq!(c.pool.release_threshold, 0);
+        assert_eq!(c.pool.map_run_pages, 16);
     }
 
     #[test]
@@ -224,6 +235,9 @@ mod tests {
             ("VRAMPOOL_MAX_STREAMS", "0", "1 to 1048576"),
             ("VRAMPOOL_MAX_RESERVED", "0", "more than 0"),
             ("VRAMPOOL_MAX_CACHED", "-5", "byte count"),
+            ("VRAMPOOL_MAP_RUN_PAGES", "0", "1 to 64"),
+            ("VRAMPOOL_MAP_RUN_PAGES", "65", "1 to 64"),
+            ("VRAMPOOL_MAP_RUN_PAGES", "4k", "whole number"),
         ] {
             let msg = from(&[(name, value)]).unwrap_err().to_string();
             assert!(msg.contains(name) && msg.contains(wants), "{msg}");
