@@ -135,8 +135,9 @@ pub struct PoolConfig {
     /// again: the driver takes no offset into one), so the pool holds more: on the H200,
     /// runs of 16 or 64 pages took every shared trace's cold replay below `cuMemAllocAsync`'s
     /// time, and runs of 2–64 raised peak reserved ÷ peak live from 1.003–1.082 to up to 1.67
-    /// (`docs/BENCHMARKS.md`). Default 1: the memory figure first.
-    /// `VRAMPOOL_MAP_RUN_PAGES` sets it for the registry's pools.
+    /// (`docs/BENCHMARKS.md`). Default 1: the memory figure first. The registry's pools
+    /// (the C ABI's, PyTorch's) default to 16 instead
+    /// ([`crate::registry::REGISTRY_MAP_RUN_PAGES`], `VRAMPOOL_MAP_RUN_PAGES`).
     pub map_run_pages: usize,
     /// Most bytes all caches of the pool together (thread caches and depots) may hold.
     /// `None`: half of `max_reserved`.

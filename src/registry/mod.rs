@@ -30,7 +30,7 @@
 mod config;
 mod streams;
 
-pub use config::{Config, DeviceChoice, MAX_DEVICES, MAX_STREAMS, VARIABLES};
+pub use config::{Config, DeviceChoice, MAX_DEVICES, MAX_STREAMS, REGISTRY_MAP_RUN_PAGES, VARIABLES};
 pub(crate) use streams::StreamRec;
 
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
