@@ -414,6 +414,13 @@ fn malloc_miss(m: &memo::Memo, cache: &crate::StreamCache, size: usize) -> *mut 
 #[inline(never)]
 fn outside_table(m: &memo::Memo, addr: u64, len: u64, size_class: u64) -> *mut c_void {
     free_freed(m, addr, len, size_class);
+    report_outside(addr)
+}
+
+/// Report a block the pool handed out at `addr`, outside the table's range (a bug, given
+/// back by the caller): the allocation's NULL.
+#[cold]
+fn report_outside(addr: u64) -> *mut c_void {
     let msg = format!("vrampool_malloc: the pool handed out {addr:#x}, outside its range (a bug)");
     AbiError::new(vrampool_status::VRAMPOOL_ERROR_INTERNAL, Counter::Internal, msg).report();
     std::ptr::null_mut()
@@ -463,9 +470,7 @@ fn publish_ext(dev: &AbiDevice, block: Block, token: u32, owner: usize) -> *mut 
         }
         None => {
             drop(block);
-            let msg = format!("vrampool_malloc: the pool handed out {addr:#x}, outside its range (a bug)");
-            AbiError::new(vrampool_status::VRAMPOOL_ERROR_INTERNAL, Counter::Internal, msg).report();
-            std::ptr::null_mut()
+            report_outside(addr)
         }
     }
 }

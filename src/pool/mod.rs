@@ -127,17 +127,12 @@ pub struct PoolConfig {
     pub large_block_threshold: u64,
     /// Pages mapped in one device call, as one physical allocation, when a block lands on
     /// several unmapped pages in a row (1..=64). On CUDA a map costs per allocation, not per
-    /// page: on an H200 (driver 580) a 2 MiB allocation costs 30–40 µs to create, map and
-    /// open and 25–30 µs to unmap, one of 64 pages 70–100 µs in all, and granting access to
-    /// (or unmapping) many allocations in one call costs what one call each does
-    /// (`benches/vmm_probe.c`). Longer runs so make growth far cheaper, but a run is
-    /// unmapped only whole and its pages cannot be lent (a loan maps a whole allocation
-    /// again: the driver takes no offset into one), so the pool holds more: on the H200,
-    /// runs of 16 or 64 pages took every shared trace's cold replay below `cuMemAllocAsync`'s
-    /// time, and runs of 2–64 raised peak reserved ÷ peak live from 1.003–1.082 to up to 1.67
-    /// (`docs/BENCHMARKS.md`). Default 1: the memory figure first. The registry's pools
-    /// (the C ABI's, PyTorch's) default to 16 instead
-    /// ([`crate::registry::REGISTRY_MAP_RUN_PAGES`], `VRAMPOOL_MAP_RUN_PAGES`).
+    /// page, so longer runs make growth far cheaper; but a run is unmapped only whole and its
+    /// pages cannot be lent (a loan maps a whole allocation again: the driver takes no offset
+    /// into one), so the pool holds more. The costs and the trade, measured on an H200:
+    /// `benches/vmm_probe.c`, `docs/BENCHMARKS.md`. Default 1: the memory figure first. The
+    /// registry's pools (the C ABI's, PyTorch's) default to
+    /// [`crate::registry::REGISTRY_MAP_RUN_PAGES`] instead (`VRAMPOOL_MAP_RUN_PAGES`).
     pub map_run_pages: usize,
     /// Most bytes all caches of the pool together (thread caches and depots) may hold.
     /// `None`: half of `max_reserved`.

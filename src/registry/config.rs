@@ -41,13 +41,10 @@ pub struct Config {
 
 /// Pages a registry pool maps as one allocation when a block needs several: 16, not
 /// [`PoolConfig::default`]'s 1. The registry's pools serve C and PyTorch, whose users weigh
-/// vrampool against PyTorch's caching allocator, which holds whole segments: on an H200
-/// (PyTorch 2.11, `examples/pytorch/run.py`, three runs each) runs of 16 took ResNet-50
-/// from 0.77–0.91× PyTorch's throughput to 0.94–1.35×, GPT-2 generation from 0.83–1.02× to
-/// 1.03–1.07× and training from 0.66–1.05× to 0.83–1.24×, at 85–88% of PyTorch's peak
-/// reserved where single pages held 63–65%; the maps and loans of single pages took 40–55%
-/// of ResNet-50's time (`docs/BENCHMARKS.md`). `VRAMPOOL_MAP_RUN_PAGES=1` takes the memory
-/// figure instead.
+/// vrampool against PyTorch's caching allocator: under PyTorch on an H200, growth page by
+/// page was where the time went and cost the throughput, while runs of 16 still held less
+/// than PyTorch's allocator (`docs/BENCHMARKS.md`, the fourth session).
+/// `VRAMPOOL_MAP_RUN_PAGES=1` takes the memory figure instead.
 pub const REGISTRY_MAP_RUN_PAGES: usize = 16;
 
 /// The most devices the registry serves (ordinals `0..MAX_DEVICES`).
