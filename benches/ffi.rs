@@ -17,13 +17,15 @@
 //! cargo bench --bench ffi
 //! ```
 
-use std::ffi::c_void;
 use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use vrampool::ffi::{vrampool_free, vrampool_last_error, vrampool_malloc};
-use vrampool::registry::{self, Config, DeviceChoice};
+use vrampool::registry;
+
+#[path = "support/abi.rs"]
+mod abi;
+use abi::{free, malloc, setup};
 
 #[path = "support/bestfit.rs"]
 mod bestfit;
@@ -35,29 +37,6 @@ use sizes::Rng;
 
 const HOT: usize = 1 << 20;
 const WINDOW: usize = 64;
-const NULL: *mut c_void = std::ptr::null_mut();
-
-fn setup() {
-    // The simulator, as large as benches/pool.rs's (the window's peak fits many times).
-    let config = Config { device: DeviceChoice::Sim, sim_bytes: 64 << 30, ..Config::default() };
-    registry::configure(config).expect("the bench configures the registry before its first use");
-}
-
-fn malloc(size: usize) -> *mut c_void {
-    // SAFETY: the simulator takes any stream value; NULL is its default stream.
-    let p = unsafe { vrampool_malloc(size as isize, 0, NULL) };
-    if p.is_null() {
-        // SAFETY: a NUL-terminated string the library keeps until this thread's next call.
-        let why = unsafe { std::ffi::CStr::from_ptr(vrampool_last_error()) };
-        panic!("vrampool_malloc({size}) failed: {}", why.to_string_lossy());
-    }
-    p
-}
-
-fn free(p: *mut c_void, size: usize) {
-    // SAFETY: a block of this size from `malloc` on the same device and stream.
-    unsafe { vrampool_free(p, size as isize, 0, NULL) }
-}
 
 fn hot_pair(c: &mut Criterion) {
     let pool = registry::pool(0).unwrap();
@@ -90,7 +69,7 @@ fn random_window(c: &mut Criterion) {
     });
     drop(w);
     let mut rng = Rng::new(0x9e37_79b9);
-    let mut w: Vec<(*mut c_void, usize)> = (0..WINDOW)
+    let mut w: Vec<(*mut std::ffi::c_void, usize)> = (0..WINDOW)
         .map(|_| {
             let s = rng.size();
             (malloc(s), s)
