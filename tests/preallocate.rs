@@ -1,6 +1,7 @@
 //! Pre-allocation: after `Pool::reserve(N)`, requests whose live bytes stay well under N
-//! make no device map call. The bound the docs state (`Pool::reserve`): live bytes (as
-//! asked) at most half the reserve, which leaves room for the rounding to size classes (at
+//! make no device map call. The bound the docs state (`Pool::reserve`, measured, not
+//! promised for every sequence): live bytes (as asked) at most half the reserve, which
+//! leaves room for the rounding to size classes (at
 //! most an eighth), the stream's 2 MiB chunks for small blocks, and first-fit placement's
 //! fragmentation. The device's own count of mapped bytes (`SimDevice::mapped_bytes_total`,
 //! which counts page loans too) must not move after the reserve.

@@ -145,8 +145,8 @@ pub struct PoolConfig {
     /// its GPU runs behind. False keeps streams independent at the cost of memory.
     pub cross_stream_waits: bool,
     /// Bytes mapped when the pool is made and kept mapped through `trim()` and the release
-    /// threshold (a floor): requests whose live bytes stay under it never map. Default 0.
-    /// See also [`Pool::reserve`].
+    /// threshold (a floor), so that the first requests pay no mapping. Default 0. What the
+    /// floor holds without mapping more: [`Pool::reserve`].
     pub preallocate: u64,
     /// Record every live block's size, stream and allocation site (the file and line of the
     /// `alloc` call) for [`Pool::snapshot`] and [`Pool::leaks`]. A debugging aid: it keeps
@@ -399,12 +399,17 @@ impl Pool {
     /// mapping. Adds to what was reserved before; fails, mapping nothing, if the pool
     /// cannot map that much under `max_reserved`.
     ///
-    /// What it guarantees: requests whose live bytes (as asked) stay at most half the
-    /// reserve make no device map call (`tests/preallocate.rs` counts them). The other half
-    /// is the arena's own rounding: a block holds its size class (at most an eighth more
-    /// than asked, at least 256 B), small blocks come from each stream's 2 MiB chunks, and
-    /// first-fit placement leaves holes; with live bytes up to three quarters of the
-    /// reserve, random sizes made the pool map more.
+    /// What it holds, and what it cannot: the reserve is a floor of mapped memory, not
+    /// room for any sequence of live bytes up to its size. A block holds its size class (at
+    /// most an eighth more than asked, at least 256 B), small blocks come from each
+    /// stream's 2 MiB chunks (a stream holds at least one while it has a small block out),
+    /// and first-fit placement leaves holes that a later, larger request does not fit. No
+    /// placement that never moves a live block can promise more for every sequence: in the
+    /// worst case (Robson's bound) it needs a multiple of the live bytes that grows with
+    /// the logarithm of the largest request over the smallest. What `tests/preallocate.rs`
+    /// checks, counting the device's maps: random sizes from 256 B to 8 MiB on two
+    /// streams whose live bytes (as asked) stay at most half the reserve map nothing; with
+    /// live bytes up to three quarters of it, they mapped more.
     pub fn reserve(&self, bytes: u64) -> Result<()> {
         self.inner.reserve(bytes)
     }
