@@ -2,7 +2,8 @@
 //! workloads (DESIGN.md §7's harness: a pair is one alloc + one free):
 //!
 //! - **vrampool**: `Pool` with `PoolConfig::default()`, through a `StreamCache` per thread;
-//!   blocks are dropped (stream-ordered free).
+//!   blocks are dropped (stream-ordered free). `--map-run-pages N` sets its
+//!   `map_run_pages` (the C ABI's pools keep the registry's default).
 //! - **cuMemAlloc/cuMemFree**: the synchronous driver calls.
 //! - **cuMemAllocAsync/cuMemFreeAsync**: on the thread's stream, from the device's default
 //!   memory pool with its release threshold set to `u64::MAX` (so it caches), warmed up.
@@ -20,7 +21,7 @@
 //! `--quick` runs every measurement 10× shorter.
 //!
 //! ```text
-//! cargo run --release --example compare [-- --quick]
+//! cargo run --release --example compare [-- --quick] [--map-run-pages N]
 //! ```
 //!
 //! Without a GPU it says so and exits 0. A failing driver call is printed and exits 1.
@@ -551,13 +552,20 @@ fn load_trace(name: &str) -> Option<Trace> {
 
 fn main() {
     let mut quick = false;
-    for a in std::env::args().skip(1) {
+    let mut config = PoolConfig::default();
+    let usage = || -> ! {
+        eprintln!("usage: compare [--quick] [--map-run-pages N (1..=64)]");
+        std::process::exit(2);
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
         match a.as_str() {
             "--quick" => quick = true,
-            _ => {
-                eprintln!("usage: compare [--quick]");
-                std::process::exit(2);
-            }
+            "--map-run-pages" => match args.next().and_then(|v| v.parse::<usize>().ok()) {
+                Some(n) if (1..=64).contains(&n) => config.map_run_pages = n,
+                _ => usage(),
+            },
+            _ => usage(),
         }
     }
     let dev = match CudaDevice::new(0) {
@@ -612,7 +620,7 @@ fn main() {
     ck("cuMemAlloc (best-fit range)", unsafe { sys::cuMemAlloc_v2(&mut bf_base, BESTFIT_RANGE as usize) });
     let bf = BestFit::new(bf_base, BESTFIT_RANGE);
 
-    let pool = or_die("Pool::new", Pool::new(dev.clone(), PoolConfig::default()));
+    let pool = or_die("Pool::new", Pool::new(dev.clone(), config.clone()));
     // The C ABI's pools: the registry's, on the GPU (its own pool of the same device).
     or_die("registry::configure", registry::configure(Config { device: DeviceChoice::Cuda, ..Config::default() }));
 
@@ -758,7 +766,7 @@ fn main() {
         let one_lane: HashMap<u32, usize> = lanes.keys().map(|&k| (k, 0)).collect();
 
         // vrampool, through the library's replay.
-        let r = or_die("vrampool replay", replay(trace, &adev, PoolConfig::default()));
+        let r = or_die("vrampool replay", replay(trace, &adev, config.clone()));
         let vram_ns = r.ns_per_op();
         row(NAMES[0], r.events.to_string(), vram_ns, "—".into(), Some(r.peak_reserved));
 
