@@ -3,8 +3,12 @@
 //!
 //! ```text
 //! cargo run --release --example inference_server -- [--threads N] [--duration S]
-//!     [--device auto|sim|cuda] [--trace FILE] [--report DIR] [--seed N] [--break-event-guard]
+//!     [--device auto|sim|cuda] [--trace FILE] [--report DIR] [--seed N] [--map-run-pages N]
+//!     [--break-event-guard]
 //! ```
+//!
+//! `--map-run-pages` sets `PoolConfig::map_run_pages` (default 1); the rest is the
+//! default configuration.
 //!
 //! Each worker thread (default one per core, at most 16) has its own stream and
 //! `StreamCache` and serves requests shaped like LLM serving (see `model`): a prefill, then
@@ -55,10 +59,11 @@ struct Args {
     report: PathBuf,
     seed: u64,
     break_guard: bool,
+    map_run_pages: usize,
 }
 
 const USAGE: &str = "usage: inference_server [--threads N] [--duration S] [--device auto|sim|cuda] [--trace FILE] \
-                     [--report DIR] [--seed N] [--break-event-guard]";
+                     [--report DIR] [--seed N] [--map-run-pages N] [--break-event-guard]";
 
 fn parse_args() -> Result<Args, String> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -70,6 +75,7 @@ fn parse_args() -> Result<Args, String> {
         report: PathBuf::from("vrampool-report"),
         seed: 1,
         break_guard: false,
+        map_run_pages: PoolConfig::default().map_run_pages,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -95,6 +101,11 @@ fn parse_args() -> Result<Args, String> {
             "--trace" => a.trace = Some(PathBuf::from(value("--trace")?)),
             "--report" => a.report = PathBuf::from(value("--report")?),
             "--seed" => a.seed = value("--seed")?.parse().map_err(|_| "--seed needs a number".to_string())?,
+            "--map-run-pages" => {
+                let v = value("--map-run-pages")?;
+                a.map_run_pages =
+                    v.parse().ok().filter(|n| (1..=64).contains(n)).ok_or(format!("--map-run-pages {v}: 1 to 64"))?
+            }
             "--break-event-guard" => a.break_guard = true,
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other}\n{USAGE}")),
@@ -114,7 +125,11 @@ struct Setup {
 }
 
 fn config(args: &Args) -> PoolConfig {
-    PoolConfig { break_event_guard_for_tests: args.break_guard, ..PoolConfig::default() }
+    PoolConfig {
+        break_event_guard_for_tests: args.break_guard,
+        map_run_pages: args.map_run_pages,
+        ..PoolConfig::default()
+    }
 }
 
 fn simulator(args: &Args, why: String) -> Result<Setup, Error> {

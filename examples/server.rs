@@ -18,12 +18,13 @@
 //!
 //! ```text
 //! cargo run --release --example server -- [--threads 8] [--requests 8] [--duration 60] [--layers 16]
-//!     [--idle] [--sim] [--costs] [--seed N]
+//!     [--idle] [--sim] [--costs] [--seed N] [--map-run-pages N]
 //! ```
 //!
 //! `--requests` is per thread; `--duration` (seconds) stops threads from starting new
 //! requests after it; `--idle` leaves out the device work; `--sim` uses the simulator even
-//! where there is a GPU, `--costs` gives it an H200 driver's costs.
+//! where there is a GPU, `--costs` gives it an H200 driver's costs; `--map-run-pages` sets
+//! `PoolConfig::map_run_pages` (default 1: single pages, which can be lent).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -51,6 +52,7 @@ struct Args {
     sim: bool,
     costs: bool,
     seed: u64,
+    map_run_pages: usize,
 }
 
 fn parse_args() -> Args {
@@ -63,6 +65,7 @@ fn parse_args() -> Args {
         sim: false,
         costs: false,
         seed: 1,
+        map_run_pages: PoolConfig::default().map_run_pages,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -81,11 +84,18 @@ fn parse_args() -> Args {
             "--idle" => a.idle = true,
             "--sim" => a.sim = true,
             "--costs" => a.costs = true,
+            "--map-run-pages" => match number("--map-run-pages") {
+                n @ 1..=64 => a.map_run_pages = n as usize,
+                n => {
+                    eprintln!("--map-run-pages {n}: 1 to 64");
+                    std::process::exit(2)
+                }
+            },
             other => {
                 eprintln!("unknown argument {other}");
                 eprintln!(
                     "usage: server [--threads N] [--requests N] [--duration S] [--layers N] [--idle] [--sim] \
-                     [--costs] [--seed N]"
+                     [--costs] [--seed N] [--map-run-pages N]"
                 );
                 std::process::exit(2);
             }
@@ -270,7 +280,7 @@ fn main() {
         args.layers,
         if args.idle { "idle" } else { "busy 10-30 µs after each allocation" }
     );
-    let pool = match Pool::with_device(Arc::clone(&device), PoolConfig::default()) {
+    let pool = match Pool::with_device(Arc::clone(&device), PoolConfig { map_run_pages: args.map_run_pages, ..PoolConfig::default() }) {
         Ok(p) => p,
         Err(e) => {
             eprintln!("pool: {e}");
