@@ -280,7 +280,10 @@ fn main() {
         args.layers,
         if args.idle { "idle" } else { "busy 10-30 µs after each allocation" }
     );
-    let pool = match Pool::with_device(Arc::clone(&device), PoolConfig { map_run_pages: args.map_run_pages, ..PoolConfig::default() }) {
+    let pool = match Pool::with_device(
+        Arc::clone(&device),
+        PoolConfig { map_run_pages: args.map_run_pages, ..PoolConfig::default() },
+    ) {
         Ok(p) => p,
         Err(e) => {
             eprintln!("pool: {e}");
