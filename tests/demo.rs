@@ -2,7 +2,8 @@
 //! run exits 0, says `corrupted blocks: 0` last and writes its three files; with the pool's
 //! event guard broken (`--break-event-guard`), memory goes from one stream to another while
 //! the first still uses it, the demo's checks see other blocks' patterns, and it says so and
-//! exits non-zero.
+//! exits non-zero. With runs of pages (`--map-run-pages 16`, the C ABI's default) it runs
+//! clean too, and a run length out of range is refused.
 //!
 //! The binary is the one cargo built beside this test (`target/<profile>/examples/`:
 //! `cargo test` builds the examples before it runs the tests); if it is missing (a run of
@@ -93,4 +94,19 @@ fn a_broken_event_guard_shows_as_corrupted_blocks() {
     let n = out.corrupted.expect("a `corrupted blocks:` line");
     assert!(n > 0, "the checks did not see memory reused across streams before its free");
     let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn with_runs_of_pages_the_demo_runs_clean_and_a_bad_run_length_is_refused() {
+    let (out, dir) = run("runs", &["--map-run-pages", "16"]);
+    assert!(out.ok, "the demo failed with runs of 16 pages");
+    assert_eq!(out.corrupted, Some(0), "its last `corrupted blocks:` line");
+    let _ = std::fs::remove_dir_all(dir);
+    for bad in ["0", "65", "many"] {
+        let out =
+            Command::new(demo()).args(["--device", "sim", "--map-run-pages", bad]).output().expect("the demo runs");
+        assert!(!out.status.success(), "--map-run-pages {bad} was taken");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("1 to 64"), "--map-run-pages {bad}: {err}");
+    }
 }
