@@ -1,6 +1,8 @@
-//! loom models of the first-fit extent allocator: two claims racing for one run, a claim
-//! racing a free of the neighbouring run, a rollback racing another claim, and a racing
-//! double free that must not touch other blocks.
+//! loom models of the first-fit extent allocator: two claims racing for one run (across
+//! words, and inside one word, where a claim is a single CAS with no `in_flight` bracket), a
+//! claim racing a free of the neighbouring run, a rollback racing another claim, a racing
+//! double free that must not touch other blocks, and the hint kept low by the frees into
+//! full words alone.
 //!
 //! Tiny configurations (128 granules: two bitmap words, one chunk) and two threads, so each
 //! model runs in seconds at `LOOM_MAX_PREEMPTIONS=2`:
@@ -217,6 +219,57 @@ fn a_walk_racing_a_free_below_it_never_leaves_the_hint_high() {
         t.join().unwrap();
         assert!(got == 0 || got == 64 * G, "{got:#x}");
         check_quiet(&e, &[(got, 6 * G)]);
+        check_quiet_first_fit(&e);
+    });
+}
+
+/// Word 0 is full; one thread frees two blocks of it in turn, the first into the full word
+/// (which must lower the hint) and the second into a word that already has a free granule
+/// (which leaves the hint alone), while the other thread asks for a block that fits only
+/// in word 1 and so walks past word 0 and raises the hint. Once quiet the hint is not above
+/// the freed granules. (With the lowering skipped for the first free as well, this fails.)
+#[test]
+fn only_a_free_into_a_full_word_needs_to_lower_the_hint() {
+    loom::model(|| {
+        let e = Arc::new(Extents::new(0, RANGE, G).unwrap());
+        assert_eq!(e.alloc(8 * G), Some(0));
+        assert_eq!(e.alloc(8 * G), Some(8 * G));
+        assert_eq!(e.alloc(48 * G), Some(16 * G));
+        let e1 = e.clone();
+        let t = thread::spawn(move || {
+            assert!(e1.free(0, 8 * G));
+            assert!(e1.free(8 * G, 8 * G));
+        });
+        let got = e.alloc(20 * G).expect("word 1 is free throughout");
+        t.join().unwrap();
+        assert_eq!(got, 64 * G, "16 granules at most are free in word 0");
+        check_quiet(&e, &[(16 * G, 48 * G), (got, 20 * G)]);
+        check_quiet_first_fit(&e);
+    });
+}
+
+/// The only fit lies inside one word ([16, 64): 48 granules) and two threads want 40 each:
+/// their claims are single CASes, made with no `in_flight` bracket, so the loser never sees a
+/// claim half done. Exactly one wins; the other answers `None`, which the final state bears
+/// out, and the winner's block is the first fit.
+#[test]
+fn two_claims_inside_one_word_for_the_only_fit_one_wins() {
+    loom::model(|| {
+        let e = Arc::new(Extents::new(0, RANGE, G).unwrap());
+        assert_eq!(e.alloc(16 * G), Some(0));
+        assert_eq!(e.alloc(112 * G), Some(16 * G));
+        assert!(e.free(16 * G, 48 * G), "a part of a block frees as a block of its own");
+        let e1 = e.clone();
+        let t = thread::spawn(move || e1.alloc(40 * G));
+        let mine = e.alloc(40 * G);
+        let theirs = t.join().unwrap();
+        let won = match (mine, theirs) {
+            (Some(x), None) | (None, Some(x)) => x,
+            other => panic!("exactly one fits: {other:?}"),
+        };
+        assert_eq!(won, 16 * G);
+        assert!(e.largest_free() < 40 * G);
+        check_quiet(&e, &[(0, 16 * G), (won, 40 * G), (64 * G, 64 * G)]);
         check_quiet_first_fit(&e);
     });
 }

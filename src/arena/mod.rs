@@ -10,6 +10,7 @@
 //!   the fence of every free granule and the owner of every chunk.
 //! * [`pages`]: the [`PageMap`]: per-page state and block counts, mapping on demand.
 //! * [`alone`]: T3 on its own, for the benches.
+//! * [`tally`]: a byte count striped over cache lines by thread (the extents' free bytes).
 //! * [`words`]: the lazily made array of atomic words the page map, the extents and the
 //!   space share.
 //!
@@ -25,6 +26,7 @@ pub mod hbitmap;
 pub mod pages;
 pub mod space;
 pub mod stream;
+pub mod tally;
 pub mod words;
 
 #[cfg(test)]

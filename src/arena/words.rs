@@ -39,6 +39,7 @@ impl LazyWords {
     }
 
     /// The words of chunk `c` (words `c * CHUNK ..`), if it has been made.
+    #[inline]
     pub fn chunk(&self, c: usize) -> Option<&[AtomicU64]> {
         let p = self.dir.get(c)?.load(Ordering::Acquire);
         // SAFETY: a non-null slot holds a chunk published by `get` from `Box::into_raw` with
@@ -47,15 +48,23 @@ impl LazyWords {
     }
 
     /// Word `i`, making its chunk when `make`; `None` past the end, or absent and not made.
+    #[inline]
     pub fn get(&self, i: usize, make: bool) -> Option<&AtomicU64> {
         let c = i / CHUNK;
-        let slot = self.dir.get(c)?;
         if let Some(words) = self.chunk(c) {
             return words.get(i % CHUNK);
         }
         if !make {
             return None;
         }
+        self.make(c)?.get(i % CHUNK)
+    }
+
+    /// Make chunk `c` (or find the one another thread made first); `None` past the end.
+    #[cold]
+    #[inline(never)]
+    fn make(&self, c: usize) -> Option<&[AtomicU64]> {
+        let slot = self.dir.get(c)?;
         let len = CHUNK.min(self.len - c * CHUNK);
         let fresh = Box::into_raw(Box::new(Chunk { words: (0..len).map(|_| AtomicU64::new(0)).collect() }));
         let chunk = match slot.compare_exchange(std::ptr::null_mut(), fresh, Ordering::AcqRel, Ordering::Acquire) {
@@ -68,7 +77,7 @@ impl LazyWords {
                 unsafe { &*theirs }
             }
         };
-        chunk.words.get(i % CHUNK)
+        Some(&chunk.words[..])
     }
 
     /// How many chunk slots the directory has.
