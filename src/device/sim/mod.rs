@@ -153,6 +153,28 @@ impl StreamShared {
         Ok(seq)
     }
 
+    /// Enqueue a marker (an event's record). On an idle stream (nothing queued, nothing
+    /// running) it is complete at once, as a GPU's would be, and the stream's thread is not
+    /// woken: a pool records events on streams that run no work at all (a host-only bench),
+    /// where a wake per event cost more than the allocations it fenced.
+    fn enqueue_marker(&self) -> Result<u64> {
+        let mut st = lock(&self.state);
+        if st.closing {
+            return Err(Error::StreamDestroyed);
+        }
+        // `completed` lags `last_seq` while an op runs (popped, not done): not idle then.
+        let idle = st.ops.is_empty() && st.completed == st.last_seq;
+        st.last_seq += 1;
+        let seq = st.last_seq;
+        if idle {
+            st.completed = seq;
+        } else {
+            st.ops.push_back((seq, Op::Marker));
+            self.cv.notify_all();
+        }
+        Ok(seq)
+    }
+
     fn completed(&self) -> u64 {
         lock(&self.state).completed
     }
@@ -523,7 +545,7 @@ impl Device for SimDevice {
         let h = self.running_stream(stream)?;
         let ev = sim_event(event)?;
         costs::spend(self.inner.costs.event_record);
-        let seq = h.shared.enqueue(Op::Marker)?;
+        let seq = h.shared.enqueue_marker()?;
         *lock(&ev.record) = Some((Arc::clone(&h.shared), seq));
         Ok(())
     }
@@ -693,6 +715,27 @@ mod tests {
         drop(open);
         dev.synchronize_event(&ev).unwrap();
         assert!(dev.query_event(&ev).unwrap());
+    }
+
+    #[test]
+    fn an_event_on_an_idle_stream_is_complete_at_once_and_later_work_still_orders_after_it() {
+        let dev = SimDevice::new(1 << 30);
+        let s = dev.new_stream().unwrap();
+        let idle = dev.create_event().unwrap();
+        dev.record_event(&idle, &s).unwrap();
+        assert!(dev.query_event(&idle).unwrap(), "nothing runs before it");
+        // Work enqueued after it keeps its place in stream order.
+        let open = gate(&dev, &s);
+        let behind = dev.create_event().unwrap();
+        dev.record_event(&behind, &s).unwrap();
+        assert!(dev.query_event(&idle).unwrap());
+        assert!(!dev.query_event(&behind).unwrap(), "complete before the work queued ahead of it");
+        drop(open);
+        dev.synchronize_event(&behind).unwrap();
+        let last = dev.create_event().unwrap();
+        dev.record_event(&last, &s).unwrap();
+        dev.synchronize(&s).unwrap();
+        assert!(dev.query_event(&behind).unwrap() && dev.query_event(&last).unwrap());
     }
 
     #[test]
