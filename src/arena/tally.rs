@@ -5,8 +5,9 @@
 //!
 //! The extents count their free bytes on every allocation and free. One counter is one cache
 //! line every thread writes: with two threads placing large blocks, its transfers took 40%
-//! of each pair's time (`perf` on the arena's hot pair). Here each thread adds to the stripe
-//! its thread-local's address hashes to, so threads that do not collide never share a line;
+//! of each pair's time (`perf` on the arena's hot pair). Here each thread adds to a stripe
+//! of its own (given in turn at its first count, so up to [`STRIPES`] threads never share
+//! a line);
 //! the count is read on cold paths only (the pool's books, a cache's growth check), where
 //! summing the stripes is cheap.
 //!
@@ -38,17 +39,31 @@ pub struct Tally {
 
 #[cfg(not(loom))]
 crate::sync::thread_local! {
-    static KEY: u8 = const { 0 };
+    /// This thread's stripe + 1 (0: none given yet).
+    static STRIPE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
-/// The calling thread's stripe: a Fibonacci hash of its thread-local's address (threads'
-/// thread-local blocks lie apart, often at a power-of-two stride the hash spreads). A thread
-/// that is exiting (its thread-locals gone) uses stripe 0.
+/// Stripes given out so far: threads take them in turn, so the first [`STRIPES`] threads
+/// to count never share one (a hash of thread-local addresses, tried first, put two of eight
+/// threads on one stripe).
+#[cfg(not(loom))]
+static NEXT: crate::sync::atomic::AtomicUsize = crate::sync::atomic::AtomicUsize::new(0);
+
+/// The calling thread's stripe, given on its first count. A thread that is exiting (its
+/// thread-locals gone) uses stripe 0.
 #[cfg(not(loom))]
 #[inline]
 fn stripe() -> usize {
-    let addr = KEY.try_with(|k| k as *const u8 as u64).unwrap_or(0);
-    (addr.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as usize % STRIPES
+    STRIPE
+        .try_with(|s| match s.get() {
+            0 => {
+                let mine = NEXT.fetch_add(1, Ordering::Relaxed) % STRIPES;
+                s.set(mine + 1);
+                mine
+            }
+            n => n - 1,
+        })
+        .unwrap_or(0)
 }
 
 /// Under loom the stripe must be the same in every execution of a model (an address is
