@@ -8,7 +8,8 @@
 //!   device, no page map.
 //!
 //! Groups:
-//! - `hot_pair`: one alloc + free of 1 MiB, same class, same stream.
+//! - `hot_pair`: one alloc + free of 1 MiB, same class, same stream; and the arena's on 1
+//!   and 2 threads at once (`arena_threads`, per pair per thread).
 //! - `random_window`: 64 live blocks, sizes log-uniform 256 B – 4 MiB, replacing a random one
 //!   per iteration (one alloc + one free), on 1 and 2 threads (each thread its own stream
 //!   and window, threads kept for the whole benchmark so the caches are measured warm; the
@@ -64,6 +65,18 @@ fn hot_pair(c: &mut Criterion) {
             bf.free(black_box(a), HOT as u64);
         })
     });
+    // The arena's hot pair on 1 and 2 threads at once, each its own stream over one space:
+    // what NBBS's `TB_cached_allocation` measures (per pair per thread).
+    for threads in [1usize, 2] {
+        let space = Alone::new(1 << 40, 1 << 40, 512 << 10).unwrap();
+        window_crew(&mut g, "arena_threads", threads, |_, _| {
+            let arena = space.stream().expect("a stream's arena");
+            move |_: &mut Rng| {
+                let a = arena.alloc(hot).expect("the space holds one block a thread");
+                arena.free(black_box(a), hot);
+            }
+        });
+    }
     g.finish();
 }
 
