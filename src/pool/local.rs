@@ -381,6 +381,7 @@ impl StreamCache {
     }
 
     /// The cache's shared part (for the C ABI's free hot path), alive as long as `self`.
+    #[cfg(not(loom))]
     pub(crate) fn shared(&self) -> &CacheShared {
         &self.tc.shared
     }
@@ -575,6 +576,7 @@ fn alloc_through<'a>(
 /// The hit path alone, for the C ABI's: a block of `bytes`'s class (or a larger one within
 /// reach) from `shared`'s loaded magazines, as (address, size-and-class word); None where
 /// the cache's whole path would go further (nothing is done then).
+#[cfg(not(loom))]
 #[inline(always)]
 pub(crate) fn try_alloc_hit(shared: &CacheShared, bytes: usize) -> Option<(u64, u64)> {
     let at = pop_hit(shared, class::class_of(bytes as u64)?)?;

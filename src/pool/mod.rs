@@ -41,9 +41,12 @@ mod sites;
 mod snapshot;
 mod streams;
 
+// The C ABI's hot paths use these; the C ABI is not built under loom.
+#[cfg(not(loom))]
 pub(crate) use block::class_and_size;
 pub use block::Block;
 pub use leaks::Leak;
+#[cfg(not(loom))]
 pub(crate) use local::try_alloc_hit;
 pub use local::StreamCache;
 pub(crate) use place::KEEP_FREE_CHUNKS;
