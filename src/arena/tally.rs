@@ -6,10 +6,9 @@
 //! The extents count their free bytes on every allocation and free. One counter is one cache
 //! line every thread writes: with two threads placing large blocks, its transfers took 40%
 //! of each pair's time (`perf` on the arena's hot pair). Here each thread adds to a stripe
-//! of its own (given in turn at its first count, so up to [`STRIPES`] threads never share
-//! a line);
-//! the count is read on cold paths only (the pool's books, a cache's growth check), where
-//! summing the stripes is cheap.
+//! of its own (given in turn at its first count, so up to [`STRIPES`] threads never share a
+//! line); the count is read on cold paths only (the pool's books, a cache's growth check),
+//! where summing the stripes is cheap.
 //!
 //! # Invariants
 //!
