@@ -554,7 +554,7 @@ fn main() {
     let mut quick = false;
     let mut config = PoolConfig::default();
     let usage = || -> ! {
-        eprintln!("usage: compare [--quick] [--map-run-pages N (1..=64)]");
+        eprintln!("usage: compare [--quick] [--map-run-pages N (1 to {})]", PoolConfig::MAX_MAP_RUN_PAGES);
         std::process::exit(2);
     };
     let mut args = std::env::args().skip(1);
@@ -562,7 +562,7 @@ fn main() {
         match a.as_str() {
             "--quick" => quick = true,
             "--map-run-pages" => match args.next().and_then(|v| v.parse::<usize>().ok()) {
-                Some(n) if (1..=64).contains(&n) => config.map_run_pages = n,
+                Some(n) if (1..=PoolConfig::MAX_MAP_RUN_PAGES).contains(&n) => config.map_run_pages = n,
                 _ => usage(),
             },
             _ => usage(),

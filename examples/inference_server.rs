@@ -103,8 +103,12 @@ fn parse_args() -> Result<Args, String> {
             "--seed" => a.seed = value("--seed")?.parse().map_err(|_| "--seed needs a number".to_string())?,
             "--map-run-pages" => {
                 let v = value("--map-run-pages")?;
-                a.map_run_pages =
-                    v.parse().ok().filter(|n| (1..=64).contains(n)).ok_or(format!("--map-run-pages {v}: 1 to 64"))?
+                let most = PoolConfig::MAX_MAP_RUN_PAGES;
+                a.map_run_pages = v
+                    .parse()
+                    .ok()
+                    .filter(|n| (1..=most).contains(n))
+                    .ok_or(format!("--map-run-pages {v}: 1 to {most}"))?
             }
             "--break-event-guard" => a.break_guard = true,
             "-h" | "--help" => return Err(USAGE.into()),

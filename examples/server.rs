@@ -84,13 +84,16 @@ fn parse_args() -> Args {
             "--idle" => a.idle = true,
             "--sim" => a.sim = true,
             "--costs" => a.costs = true,
-            "--map-run-pages" => match number("--map-run-pages") {
-                n @ 1..=64 => a.map_run_pages = n as usize,
-                n => {
-                    eprintln!("--map-run-pages {n}: 1 to 64");
-                    std::process::exit(2)
+            "--map-run-pages" => {
+                let (n, most) = (number("--map-run-pages"), PoolConfig::MAX_MAP_RUN_PAGES);
+                match usize::try_from(n) {
+                    Ok(n @ 1..) if n <= most => a.map_run_pages = n,
+                    _ => {
+                        eprintln!("--map-run-pages {n}: 1 to {most}");
+                        std::process::exit(2)
+                    }
                 }
-            },
+            }
             other => {
                 eprintln!("unknown argument {other}");
                 eprintln!(

@@ -187,6 +187,21 @@ fn segments(start: u64, end: u64) -> impl Iterator<Item = (usize, u64)> {
     })
 }
 
+/// Set `mask`'s bits of `w` if none of them is set (one CAS, retried only while other bits
+/// change); false, with nothing changed, if one is.
+fn set_if_clear(w: &AtomicU64, mask: u64) -> bool {
+    let mut cur = w.load(Ordering::Acquire);
+    loop {
+        if cur & mask != 0 {
+            return false;
+        }
+        match w.compare_exchange_weak(cur, cur | mask, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return true,
+            Err(now) => cur = now,
+        }
+    }
+}
+
 impl Extents {
     /// An allocator over `[base, base + len)` in granules of `granule` bytes (a power of two),
     /// all free. `base` and `len` must be multiples of `granule`, `len` non-zero, the range
@@ -338,30 +353,22 @@ impl Extents {
     }
 
     /// Claim granules `[start, start + k)`, word by word in address order. False, with every
-    /// bit this call set cleared again, if some granule was taken meanwhile.
+    /// bit this call set cleared again, if some granule was taken meanwhile. A run inside
+    /// one word is one CAS, which sets all of it or none: no other walk can see it half
+    /// claimed, so it takes no `in_flight` bracket (two RMWs on a line every thread shares,
+    /// saved on most large blocks and every chunk).
     fn claim(&self, start: u64, k: u64) -> bool {
-        if start / BITS == (start + k - 1) / BITS {
-            return self.claim_in_word(start, k);
+        let end = start + k;
+        if start / BITS == (end - 1) / BITS {
+            return segments(start, end).all(|(i, mask)| self.word(i, true).is_some_and(|w| set_if_clear(w, mask)));
         }
         let mut guard = InFlight::enter(self);
-        let end = start + k;
         let mut claimed_to = start;
         let mut ok = true;
-        'words: for (i, mask) in segments(start, end) {
-            let Some(w) = self.word(i, true) else {
+        for (i, mask) in segments(start, end) {
+            if !self.word(i, true).is_some_and(|w| set_if_clear(w, mask)) {
                 ok = false;
                 break;
-            };
-            let mut cur = w.load(Ordering::Acquire);
-            loop {
-                if cur & mask != 0 {
-                    ok = false;
-                    break 'words;
-                }
-                match w.compare_exchange_weak(cur, cur | mask, Ordering::AcqRel, Ordering::Acquire) {
-                    Ok(_) => break,
-                    Err(now) => cur = now,
-                }
             }
             claimed_to += u64::from(mask.count_ones());
         }
@@ -375,24 +382,6 @@ impl Extents {
             guard.cleared = true;
         }
         ok
-    }
-
-    /// [`Extents::claim`] of a run inside one word: one CAS sets all of it or none, so no
-    /// other walk can ever see it half claimed, and it needs no `in_flight` bracket (two RMWs
-    /// on a line every thread shares, saved on most large blocks and every chunk).
-    fn claim_in_word(&self, start: u64, k: u64) -> bool {
-        let Some(w) = self.word((start / BITS) as usize, true) else { return false };
-        let mask = if k == BITS { u64::MAX } else { ((1u64 << k) - 1) << (start % BITS) };
-        let mut cur = w.load(Ordering::Acquire);
-        loop {
-            if cur & mask != 0 {
-                return false;
-            }
-            match w.compare_exchange_weak(cur, cur | mask, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => return true,
-                Err(now) => cur = now,
-            }
-        }
     }
 
     /// Allocate `bytes` rounded up to whole granules, at the lowest address where that many

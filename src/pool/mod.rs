@@ -129,7 +129,7 @@ pub struct PoolConfig {
     /// 36 chunks half empty at 2 MiB, 12 at 512 KiB); on the shared traces it costs nothing.
     pub large_block_threshold: u64,
     /// Pages mapped in one device call, as one physical allocation, when a block lands on
-    /// several unmapped pages in a row (1..=64). On CUDA a map costs per allocation, not per
+    /// several unmapped pages in a row (1..=[`PoolConfig::MAX_MAP_RUN_PAGES`]). On CUDA a map costs per allocation, not per
     /// page, so longer runs make growth far cheaper; but a run is unmapped only whole and its
     /// pages cannot be lent (a loan maps a whole allocation again: the driver takes no offset
     /// into one), so the pool holds more. The costs and the trade, measured on an H200:
@@ -162,6 +162,12 @@ pub struct PoolConfig {
     /// Exists so that stress tests can show they catch a broken guard; never set it otherwise.
     #[doc(hidden)]
     pub break_event_guard_for_tests: bool,
+}
+
+impl PoolConfig {
+    /// The longest run [`PoolConfig::map_run_pages`] may ask for (longer values are taken as
+    /// this).
+    pub const MAX_MAP_RUN_PAGES: usize = crate::arena::MAX_RUN;
 }
 
 impl Default for PoolConfig {

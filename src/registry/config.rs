@@ -149,8 +149,9 @@ impl Config {
             return Err(bad("VRAMPOOL_MAX_RESERVED", "0", "more than 0 bytes"));
         }
         // The pool would clamp it; a user who asked for more should hear so.
-        if !(1..=crate::arena::MAX_RUN).contains(&self.pool.map_run_pages) {
-            return Err(bad("VRAMPOOL_MAP_RUN_PAGES", &shown(&self.pool.map_run_pages), "1 to 64"));
+        let most = PoolConfig::MAX_MAP_RUN_PAGES;
+        if !(1..=most).contains(&self.pool.map_run_pages) {
+            return Err(bad("VRAMPOOL_MAP_RUN_PAGES", &shown(&self.pool.map_run_pages), &format!("1 to {most}")));
         }
         Ok(())
     }

@@ -141,23 +141,12 @@ struct SimEvent {
 }
 
 impl StreamShared {
+    /// Put `op` in stream order; its number. A marker (an event's record) on an idle stream
+    /// (nothing queued, nothing running) is complete at once, as a GPU's would be, and the
+    /// stream's thread is not woken: a pool records events on streams that run no work at
+    /// all (a host-only bench), where a wake per event cost more than the allocations it
+    /// fenced.
     fn enqueue(&self, op: Op) -> Result<u64> {
-        let mut st = lock(&self.state);
-        if st.closing {
-            return Err(Error::StreamDestroyed);
-        }
-        st.last_seq += 1;
-        let seq = st.last_seq;
-        st.ops.push_back((seq, op));
-        self.cv.notify_all();
-        Ok(seq)
-    }
-
-    /// Enqueue a marker (an event's record). On an idle stream (nothing queued, nothing
-    /// running) it is complete at once, as a GPU's would be, and the stream's thread is not
-    /// woken: a pool records events on streams that run no work at all (a host-only bench),
-    /// where a wake per event cost more than the allocations it fenced.
-    fn enqueue_marker(&self) -> Result<u64> {
         let mut st = lock(&self.state);
         if st.closing {
             return Err(Error::StreamDestroyed);
@@ -166,10 +155,10 @@ impl StreamShared {
         let idle = st.ops.is_empty() && st.completed == st.last_seq;
         st.last_seq += 1;
         let seq = st.last_seq;
-        if idle {
+        if idle && matches!(op, Op::Marker) {
             st.completed = seq;
         } else {
-            st.ops.push_back((seq, Op::Marker));
+            st.ops.push_back((seq, op));
             self.cv.notify_all();
         }
         Ok(seq)
@@ -545,7 +534,7 @@ impl Device for SimDevice {
         let h = self.running_stream(stream)?;
         let ev = sim_event(event)?;
         costs::spend(self.inner.costs.event_record);
-        let seq = h.shared.enqueue_marker()?;
+        let seq = h.shared.enqueue(Op::Marker)?;
         *lock(&ev.record) = Some((Arc::clone(&h.shared), seq));
         Ok(())
     }
