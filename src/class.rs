@@ -26,15 +26,10 @@ pub const MAX_CLASS_SIZE: u64 = 1 << 30;
 /// The number of classes up to and including [`MAX_CLASS_SIZE`].
 pub const MAX_CLASSES: usize = 160;
 
-/// The largest cached class a pool uses unless configured otherwise: 4 MiB, the largest
-/// run the arena claims inside one bitmap word (one CAS), so a block above it costs the
-/// arena about what it costs the caches next to the device work it is allocated for, while
-/// a cached one holds its memory where no other thread can use it. Caching up to 64 MiB
-/// (the default until the seventh session) let the busy workers' caches of the demo hold
-/// 20–57 MiB of large blocks whenever another thread's request grew the pool; with 4 MiB
-/// its peak reserved ÷ peak live fell from 1.25–1.36 to 1.05–1.28 on the simulator (2
-/// workers) and from 1.32–1.36 to 1.20–1.28 on the H200 (16 workers) at the same hit rate,
-/// and the warm pass of four of the seven shared traces lent less (`docs/BENCHMARKS.md`).
+/// The largest cached class a pool uses unless configured otherwise. A block cached in a
+/// busy thread's cache is memory no other thread's request can use, and the larger the
+/// block the less a hit saves next to the device work it is allocated for; why 4 MiB and
+/// not the 64 MiB of earlier versions is in `IMPLEMENTATION.md` (T1 and T0).
 pub const DEFAULT_LARGEST_CLASS: u64 = 4 << 20;
 
 /// log2 of [`MIN_CLASS`]: requests are counted in 256-byte units.

@@ -108,9 +108,8 @@ pub struct PoolConfig {
     #[deprecated(note = "ignored: same-stream reuse needs no event")]
     pub poll_before_map: std::time::Duration,
     /// The largest size class kept in the caches (rounded to a class); larger requests go
-    /// to the arena directly. Default 4 MiB: the arena places a larger block at about the
-    /// cost of a cache miss next to the work done on it, and cached in a busy thread's cache
-    /// such blocks were memory other threads' requests mapped again (`IMPLEMENTATION.md`).
+    /// to the arena directly. Default 4 MiB: larger blocks held in busy threads' caches were
+    /// memory other threads' requests then mapped afresh (`IMPLEMENTATION.md`).
     pub largest_cached_class: u64,
     /// Most bytes one thread's cache for one stream may hold.
     pub thread_cache_bytes: u64,
