@@ -216,6 +216,40 @@ fn events_follow_cuda_rules() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
+fn a_reused_event_carries_only_its_new_record() {
+    let dev = device();
+    let a = dev.create_stream().unwrap();
+    let b = dev.create_stream().unwrap();
+    let c = dev.create_stream().unwrap();
+    // An event recorded behind a gate on A, waited on by C, then dropped while pending.
+    let open = gate(&dev, &a);
+    let old = dev.create_event().unwrap();
+    dev.record_event(&old, &a).unwrap();
+    dev.stream_wait_event(&c, &old).unwrap();
+    let ran = Arc::new(AtomicBool::new(false));
+    let r = Arc::clone(&ran);
+    dev.launch_host_fn(&c, Box::new(move || r.store(true, Ordering::SeqCst))).unwrap();
+    drop(old);
+    // Events made now (one of them the spare) and recorded on idle B complete at once: none
+    // inherits A's pending record.
+    let fresh: Vec<_> = (0..4).map(|_| dev.create_event().unwrap()).collect();
+    for ev in &fresh {
+        dev.record_event(ev, &b).unwrap();
+    }
+    dev.synchronize(&b).unwrap();
+    for ev in &fresh {
+        assert!(dev.query_event(ev).unwrap(), "a reused event still names its old record");
+    }
+    // C's wait, enqueued before the reuse, still holds C behind A.
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(!ran.load(Ordering::SeqCst), "a wait lost its record when the event was reused");
+    open.send(()).unwrap();
+    dev.synchronize(&c).unwrap();
+    assert!(ran.load(Ordering::SeqCst));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
 fn wrapped_streams_get_fresh_ids() {
     let dev = device();
     dev.bind_context().unwrap();

@@ -30,6 +30,16 @@
 //!   over the whole range the call mapped: the driver allows a range spanning several
 //!   allocations, and setting access is the dearest step of a map, so a run of pages pays it
 //!   once.
+//! - **Events are reused.** An event whose last handle drops goes to a lock-free list of
+//!   spares (at most `SPARE_EVENTS`) and the next [`Device::create_event`] takes one from it
+//!   instead of calling `cuEventCreate`; only events beyond the list are destroyed.
+//!   Recording an event again is allowed at any time, a wait enqueued earlier keeps the
+//!   record it saw, and an event is spare only once nobody holds it, so nothing can observe
+//!   the reuse. Why: with many threads busy on the device, `cuEventCreate` took milliseconds
+//!   where `cuEventRecord` took microseconds (`docs/BENCHMARKS.md`, ninth session), and the
+//!   pool records an event for every batch of frees; PyTorch's caching allocator pools its
+//!   events too. A drop then needs no driver call, so inside a host function a spare is
+//!   kept rather than parked.
 //! - **Spin**: [`Device::spin`] launches a one-thread kernel that reads `%globaltimer` until
 //!   the time has passed (module `spin`), compiled once per device on first use.
 //! - **cudarc**: streams made from cudarc's `Arc<CudaStream>` and the device of a cudarc
@@ -53,6 +63,10 @@ mod cudarc_interop;
 mod spin;
 pub(crate) use cudarc_interop::{cudarc_driver_error, wrapped_stream};
 use spin::SpinKernel;
+
+/// Most events kept for reuse per device (see the module docs); a busy pool has one event in
+/// flight per stream and per batch of multi-stream blocks, far fewer than this.
+const SPARE_EVENTS: usize = 1024;
 
 /// Every driver symbol this module calls. cudarc's loader
 /// panics on a missing one, so they are all looked up before the first call.
@@ -194,6 +208,8 @@ struct CudaInner {
     host_fn_panics: AtomicU64,
     /// The spin kernel, loaded on the first [`Device::spin`] (or why it could not be).
     spin: OnceLock<Result<SpinKernel>>,
+    /// Events of this context nobody holds, for reuse (`CUevent` handles).
+    spare_events: crossbeam_queue::ArrayQueue<usize>,
 }
 
 enum Parked {
@@ -367,6 +383,10 @@ impl Drop for CudaInner {
         }
         if self.bind().is_ok() {
             self.destroy_parked();
+            while let Some(e) = self.spare_events.pop() {
+                // SAFETY: a spare event of our context, which is current; nobody holds it.
+                let _ = unsafe { sys::cuEventDestroy_v2(e as sys::CUevent) };
+            }
             if let Some(Ok(kernel)) = self.spin.get() {
                 // A wrapped stream (another runtime's) may still run a spin launched through
                 // us: unload the module only once the context's work is done.
@@ -432,7 +452,10 @@ impl CudaEvent {
 
 impl Drop for CudaEvent {
     fn drop(&mut self) {
-        self.device.dispose(Parked::Event(self.raw));
+        // Kept for the next `create_event`; destroyed only when the spares are full.
+        if let Err(raw) = self.device.spare_events.push(self.raw) {
+            self.device.dispose(Parked::Event(raw));
+        }
     }
 }
 
@@ -515,6 +538,7 @@ impl CudaDevice {
             any_parked: AtomicBool::new(false),
             host_fn_panics: AtomicU64::new(0),
             spin: OnceLock::new(),
+            spare_events: crossbeam_queue::ArrayQueue::new(SPARE_EVENTS),
         };
         inner.bind()?;
 
@@ -712,6 +736,9 @@ impl Device for CudaDevice {
 
     fn create_event(&self) -> Result<Event> {
         self.inner.enter()?;
+        if let Some(raw) = self.inner.spare_events.pop() {
+            return Ok(implement::new_event(Box::new(CudaEvent { raw, device: self.inner.clone() })));
+        }
         let mut raw: sys::CUevent = std::ptr::null_mut();
         let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
         // SAFETY: writes a new event handle of the current (our) context.
