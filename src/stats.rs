@@ -69,6 +69,16 @@ pub struct Stats {
     pub ladder_waits: u64,
     /// Allocations refused with out-of-memory.
     pub ooms: u64,
+    /// Nanoseconds allocations spent below the caches, in the arena and the out-of-memory
+    /// ladder (the device calls they made included): what misses cost, beside `allocs`.
+    pub ladder_ns: u64,
+    /// Nanoseconds spent in frees that bypass the caches (blocks above the largest cached
+    /// class, blocks used on several streams): their return to the arena.
+    pub release_ns: u64,
+    /// Nanoseconds spent in the device's map calls, loans included (inside `ladder_ns`).
+    pub map_ns: u64,
+    /// Nanoseconds spent in the device's unmap calls, for any reason.
+    pub unmap_ns: u64,
     /// Bytes mapped over the pool's life (loans included: memory mapped at a second address).
     pub mapped_bytes: u64,
     /// Runs of free pages whose memory went to pages a request landed on, instead of new
@@ -143,6 +153,10 @@ pub(crate) struct Counters {
     pub ladder_steals: AtomicU64,
     pub ooms: AtomicU64,
     pub unmapped: AtomicU64,
+    pub ladder_ns: AtomicU64,
+    pub release_ns: AtomicU64,
+    pub map_ns: AtomicU64,
+    pub unmap_ns: AtomicU64,
 }
 
 impl Counters {
@@ -161,6 +175,13 @@ impl Counters {
 
     pub(crate) fn bump(counter: &AtomicU64, by: u64) {
         counter.fetch_add(by, Ordering::Relaxed);
+    }
+
+    /// Add the time since `since` to `counter`, in ns: for slow paths only (a clock read
+    /// is dearer than a cache hit).
+    pub(crate) fn time(counter: &AtomicU64, since: std::time::Instant) {
+        let ns = u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        counter.fetch_add(ns, Ordering::Relaxed);
     }
 
     pub(crate) fn get(counter: &AtomicU64) -> u64 {

@@ -292,3 +292,30 @@ fn a_destroyed_streams_cached_blocks_all_come_back() {
     let st = pool.stats();
     assert_eq!((st.allocated_bytes, st.reserved_bytes, st.cached_bytes, st.retiring_bytes), (0, 0, 0, 0), "{st:?}");
 }
+
+#[test]
+fn the_time_below_the_caches_counts_every_driver_call_it_made() {
+    // Costs a driver spends inside each call: whatever the machine's speed, the pool's clock
+    // must read at least what the device spent in its map and unmap calls.
+    let costs = vrampool::SimCosts::h200();
+    let dev = SimDevice::builder(1 << 30).costs(costs).build();
+    let pool = Pool::new(dev.clone(), PoolConfig::default()).unwrap();
+    let s = dev.new_stream().unwrap();
+    let pages = 3;
+    // Above the largest cached class: through the ladder on allocation, around the caches
+    // on the free.
+    let b = pool.alloc(pages * (2 << 20), &s).unwrap();
+    let st = pool.stats();
+    // One call for the run or one a page, at least what one call for all of them costs.
+    let least_map = costs.map(pages as u64).as_nanos() as u64;
+    assert!(st.map_ns >= least_map, "map_ns {} under the driver's {least_map}", st.map_ns);
+    assert!(st.ladder_ns >= st.map_ns, "the ladder's time {} holds its maps' {}", st.ladder_ns, st.map_ns);
+    assert_eq!(st.release_ns, 0, "nothing was freed yet");
+    drop(b);
+    assert!(pool.stats().release_ns > 0, "the free around the caches is timed");
+    pool.trim().unwrap();
+    let st = pool.stats();
+    let least_unmap = costs.unmap(pages as u64).as_nanos() as u64;
+    assert!(st.unmapped_bytes >= pages as u64 * (2 << 20));
+    assert!(st.unmap_ns >= least_unmap, "unmap_ns {} under the driver's {least_unmap}", st.unmap_ns);
+}

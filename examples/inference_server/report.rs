@@ -16,6 +16,11 @@ pub fn mib(b: u64) -> String {
     format!("{:.1} MiB", b as f64 / MIB)
 }
 
+/// Nanoseconds as milliseconds.
+fn ms(ns: u64) -> String {
+    format!("{:.1} ms", ns as f64 / 1e6)
+}
+
 fn pct(a: u64, b: u64) -> String {
     if b == 0 {
         "-".into()
@@ -64,8 +69,18 @@ pub fn tier_table(s: &Stats) -> String {
         (
             "ladder",
             format!(
-                "{} flushes, {} maps, {} host waits, {} steals, {} out-of-memory",
-                s.ladder_flushes, s.ladder_maps, s.ladder_waits, s.ladder_steals, s.ooms
+                "{} flushes, {} maps, {} host waits, {} steals, {} out-of-memory; {} below the caches \
+                 (allocating {}, freeing {}), of which {} mapping and {} unmapping",
+                s.ladder_flushes,
+                s.ladder_maps,
+                s.ladder_waits,
+                s.ladder_steals,
+                s.ooms,
+                ms(s.ladder_ns + s.release_ns),
+                ms(s.ladder_ns),
+                ms(s.release_ns),
+                ms(s.map_ns),
+                ms(s.unmap_ns)
             ),
         ),
         (

@@ -44,7 +44,8 @@ use crate::stats::Counters;
 pub(crate) const LAST_ROUNDS: usize = 8;
 
 impl PoolInner {
-    /// Place `size` bytes for `st`, climbing the ladder as far as it must.
+    /// Place `size` bytes for `st`, climbing the ladder as far as it must; the time it
+    /// takes is counted in `Stats::ladder_ns`.
     pub(crate) fn alloc_arena(
         &self,
         size: u64,
@@ -52,6 +53,14 @@ impl PoolInner {
         st: &StreamState,
         own: Option<&local::ThreadCache>,
     ) -> Result<u64> {
+        let start = std::time::Instant::now();
+        let r = self.climb(size, requested, st, own);
+        Counters::time(&self.counters.ladder_ns, start);
+        r
+    }
+
+    /// The ladder's rungs, in order.
+    fn climb(&self, size: u64, requested: usize, st: &StreamState, own: Option<&local::ThreadCache>) -> Result<u64> {
         let _span = tracing::debug_span!("ladder", size, stream = st.stream.id()).entered();
         let ready = Mode::READY;
         let try_ready = |p: &Self| p.place(st, size, ready);
