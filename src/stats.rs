@@ -177,11 +177,14 @@ impl Counters {
         counter.fetch_add(by, Ordering::Relaxed);
     }
 
-    /// Add the time since `since` to `counter`, in ns: for slow paths only (a clock read
-    /// is dearer than a cache hit).
-    pub(crate) fn time(counter: &AtomicU64, since: std::time::Instant) {
-        let ns = u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    /// Run `f`, adding the time it took to `counter` in ns: for slow paths only (a clock
+    /// read is dearer than a cache hit).
+    pub(crate) fn timed<T>(counter: &AtomicU64, f: impl FnOnce() -> T) -> T {
+        let start = std::time::Instant::now();
+        let out = f();
+        let ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
         counter.fetch_add(ns, Ordering::Relaxed);
+        out
     }
 
     pub(crate) fn get(counter: &AtomicU64) -> u64 {

@@ -27,6 +27,14 @@ fn gate(dev: &dyn Device, stream: &Stream) -> mpsc::Sender<()> {
     tx
 }
 
+/// A flag that a host function on `stream` sets once the stream's work reaches it.
+fn reached(dev: &dyn Device, stream: &Stream) -> Arc<AtomicBool> {
+    let ran = Arc::new(AtomicBool::new(false));
+    let r = Arc::clone(&ran);
+    dev.launch_host_fn(stream, Box::new(move || r.store(true, Ordering::SeqCst))).unwrap();
+    ran
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn vmm_pages_hold_a_kernel_pattern_across_streams() {
@@ -155,9 +163,7 @@ fn host_functions_run_in_order() {
 
     // A panicking host function is contained; the stream carries on.
     dev.launch_host_fn(&s, Box::new(|| panic!("deliberate panic in a host function (expected)"))).unwrap();
-    let ran = Arc::new(AtomicBool::new(false));
-    let r = Arc::clone(&ran);
-    dev.launch_host_fn(&s, Box::new(move || r.store(true, Ordering::SeqCst))).unwrap();
+    let ran = reached(&dev, &s);
     dev.synchronize(&s).unwrap();
     assert!(ran.load(Ordering::SeqCst));
     assert_eq!(dev.host_fn_panics(), 1);
@@ -187,9 +193,7 @@ fn events_follow_cuda_rules() {
     assert!(!dev.query_event(&ev).unwrap(), "complete before the stream reached it");
 
     dev.stream_wait_event(&b, &ev).unwrap();
-    let ran = Arc::new(AtomicBool::new(false));
-    let r = Arc::clone(&ran);
-    dev.launch_host_fn(&b, Box::new(move || r.store(true, Ordering::SeqCst))).unwrap();
+    let ran = reached(&dev, &b);
     std::thread::sleep(Duration::from_millis(50));
     assert!(!ran.load(Ordering::SeqCst), "stream B ran past its wait before the event completed");
     assert!(!dev.query_event(&ev).unwrap());
@@ -226,9 +230,7 @@ fn a_reused_event_carries_only_its_new_record() {
     let old = dev.create_event().unwrap();
     dev.record_event(&old, &a).unwrap();
     dev.stream_wait_event(&c, &old).unwrap();
-    let ran = Arc::new(AtomicBool::new(false));
-    let r = Arc::clone(&ran);
-    dev.launch_host_fn(&c, Box::new(move || r.store(true, Ordering::SeqCst))).unwrap();
+    let ran = reached(&dev, &c);
     drop(old);
     // Events made now (one of them the spare) and recorded on idle B complete at once: none
     // inherits A's pending record.
@@ -260,9 +262,7 @@ fn wrapped_streams_get_fresh_ids() {
     let (w1, w2) = unsafe { (dev.wrap_stream(raw as u64).unwrap(), dev.wrap_stream(raw as u64).unwrap()) };
     assert_eq!(w1.raw(), w2.raw());
     assert_ne!(w1.id(), w2.id(), "two wrappers of one raw stream share an id");
-    let ran = Arc::new(AtomicBool::new(false));
-    let r = Arc::clone(&ran);
-    dev.launch_host_fn(&w1, Box::new(move || r.store(true, Ordering::SeqCst))).unwrap();
+    let ran = reached(&dev, &w1);
     dev.synchronize(&w2).unwrap();
     assert!(ran.load(Ordering::SeqCst), "the wrappers name the same stream");
     // Destroying a wrapper only marks it; the raw stream stays usable.
@@ -298,9 +298,7 @@ fn wrapped_streams_get_fresh_ids() {
     // The legacy default stream can be wrapped too.
     // SAFETY: the legacy default stream lives as long as the context.
     let legacy = unsafe { dev.wrap_stream(0).unwrap() };
-    let ran = Arc::new(AtomicBool::new(false));
-    let r = Arc::clone(&ran);
-    dev.launch_host_fn(&legacy, Box::new(move || r.store(true, Ordering::SeqCst))).unwrap();
+    let ran = reached(&dev, &legacy);
     dev.synchronize(&legacy).unwrap();
     assert!(ran.load(Ordering::SeqCst));
     // A stream of another device kind is refused.

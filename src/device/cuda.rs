@@ -64,8 +64,8 @@ mod spin;
 pub(crate) use cudarc_interop::{cudarc_driver_error, wrapped_stream};
 use spin::SpinKernel;
 
-/// Most events kept for reuse per device (see the module docs); a busy pool has one event in
-/// flight per stream and per batch of multi-stream blocks, far fewer than this.
+/// Most events kept for reuse per device (see the module docs); beyond it a dropped event is
+/// destroyed.
 const SPARE_EVENTS: usize = 1024;
 
 /// Every driver symbol this module calls. cudarc's loader
@@ -736,14 +736,17 @@ impl Device for CudaDevice {
 
     fn create_event(&self) -> Result<Event> {
         self.inner.enter()?;
-        if let Some(raw) = self.inner.spare_events.pop() {
-            return Ok(implement::new_event(Box::new(CudaEvent { raw, device: self.inner.clone() })));
-        }
-        let mut raw: sys::CUevent = std::ptr::null_mut();
-        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-        // SAFETY: writes a new event handle of the current (our) context.
-        check("cuEventCreate", unsafe { sys::cuEventCreate(&mut raw, flags) })?;
-        Ok(implement::new_event(Box::new(CudaEvent { raw: raw as usize, device: self.inner.clone() })))
+        let raw = match self.inner.spare_events.pop() {
+            Some(raw) => raw,
+            None => {
+                let mut raw: sys::CUevent = std::ptr::null_mut();
+                let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+                // SAFETY: writes a new event handle of the current (our) context.
+                check("cuEventCreate", unsafe { sys::cuEventCreate(&mut raw, flags) })?;
+                raw as usize
+            }
+        };
+        Ok(implement::new_event(Box::new(CudaEvent { raw, device: self.inner.clone() })))
     }
 
     fn record_event(&self, event: &Event, stream: &Stream) -> Result<()> {

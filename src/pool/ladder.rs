@@ -53,10 +53,7 @@ impl PoolInner {
         st: &StreamState,
         own: Option<&local::ThreadCache>,
     ) -> Result<u64> {
-        let start = std::time::Instant::now();
-        let r = self.climb(size, requested, st, own);
-        Counters::time(&self.counters.ladder_ns, start);
-        r
+        Counters::timed(&self.counters.ladder_ns, || self.climb(size, requested, st, own))
     }
 
     /// The ladder's rungs, in order.

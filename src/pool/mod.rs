@@ -518,9 +518,7 @@ impl PoolInner {
     /// A block that bypasses the caches on its way back: above the largest cached class,
     /// used on several streams, or dropped where this thread has no cache any more.
     pub(crate) fn free_slow(&self, addr: u64, size: u64, stream: StreamId, used_on: Vec<Stream>) {
-        let start = std::time::Instant::now();
-        self.release_uncached(addr, size, stream, used_on);
-        Counters::time(&self.counters.release_ns, start);
+        Counters::timed(&self.counters.release_ns, || self.release_uncached(addr, size, stream, used_on));
     }
 
     /// [`PoolInner::free_slow`]'s work, timed by it.

@@ -386,10 +386,7 @@ impl PoolInner {
     /// its own stream, or complete), so the new use is ordered after the old. True when lent.
     fn lend_to(&self, st: &StreamState, to: u64, len: usize) -> bool {
         let mut alias = |from: u64, to: u64, l: usize| {
-            let t = std::time::Instant::now();
-            let r = self.device.alias(from, to, l);
-            Counters::time(&self.counters.map_ns, t);
-            r?;
+            Counters::timed(&self.counters.map_ns, || self.device.alias(from, to, l))?;
             // The memory's history goes with it: should the placement be rolled back (another
             // of its pages cannot be had), `to` is left free holding memory whose last users
             // only `from`'s fences name; its own fences are of memory long unmapped.
@@ -416,12 +413,12 @@ impl PoolInner {
     pub(crate) fn unmap_lent(&self) -> u64 {
         let mut accept = |from: u64, len: u64| self.may_unmap(from, len);
         let mut unmap = |page: u64, len: usize, freed: u64| {
-            let t = std::time::Instant::now();
-            // SAFETY: a lent page holds no block and serves none, and every fence on it is
-            // complete: no work queued on any stream can use it. Its memory stays mapped at
-            // the page it was lent to, unless that page went before it (`freed`).
-            let r = unsafe { self.device.unmap(page, len) };
-            Counters::time(&self.counters.unmap_ns, t);
+            let r = Counters::timed(&self.counters.unmap_ns, || {
+                // SAFETY: a lent page holds no block and serves none, and every fence on it is
+                // complete: no work queued on any stream can use it. Its memory stays mapped at
+                // the page it was lent to, unless that page went before it (`freed`).
+                unsafe { self.device.unmap(page, len) }
+            });
             if r.is_ok() {
                 self.map_budget.fetch_sub(freed, Ordering::AcqRel);
             }
@@ -548,9 +545,7 @@ impl PoolInner {
                 max_reserved: self.max_reserved,
             })));
         }
-        let t = std::time::Instant::now();
-        let r = self.device.map(page, len);
-        Counters::time(&self.counters.map_ns, t);
+        let r = Counters::timed(&self.counters.map_ns, || self.device.map(page, len));
         tracing::debug!(page, len, ok = r.is_ok(), "map");
         match r {
             Ok(()) => Counters::bump(&self.counters.mapped, len64),
@@ -587,12 +582,12 @@ impl PoolInner {
             if !self.may_unmap(page, len as u64) {
                 return Err(Error::NotPermitted("a stream's work may still use the page"));
             }
-            let t = std::time::Instant::now();
-            // SAFETY: the page map hands out only pages no held block overlaps, claimed for
-            // unmapping so none can be taken meanwhile, and every fence on them is complete:
-            // no work queued on any stream can use them.
-            let r = unsafe { self.device.unmap(page, len) };
-            Counters::time(&self.counters.unmap_ns, t);
+            let r = Counters::timed(&self.counters.unmap_ns, || {
+                // SAFETY: the page map hands out only pages no held block overlaps, claimed for
+                // unmapping so none can be taken meanwhile, and every fence on them is complete:
+                // no work queued on any stream can use them.
+                unsafe { self.device.unmap(page, len) }
+            });
             if r.is_ok() {
                 self.map_budget.fetch_sub(freed, Ordering::AcqRel);
             }
