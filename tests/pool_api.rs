@@ -180,6 +180,37 @@ fn a_block_used_on_a_busy_stream_serves_the_next_request_behind_a_device_wait() 
 }
 
 #[test]
+fn a_small_block_of_another_stream_queued_first_does_not_hold_back_a_large_one() {
+    // Only its own stream may take a small `record_stream` block before its events complete
+    // (its memory goes back to that stream's chunk); a large one any stream may. Queued
+    // first, the small block must not keep the large one from serving the next request.
+    let (dev, pool, s) = pool(1 << 30);
+    let other = dev.new_stream().unwrap();
+    let copy = dev.new_stream().unwrap();
+    let tx = stalled(&dev, &copy);
+    let small = pool.alloc(4096, &other).unwrap();
+    small.record_stream(&copy);
+    drop(small);
+    const BIG: usize = 96 << 20;
+    let a = pool.alloc(BIG, &s).unwrap();
+    let addr = a.device_ptr();
+    a.record_stream(&copy);
+    drop(a);
+    let before = pool.stats();
+    let b = pool.alloc(BIG, &s).unwrap();
+    let st = pool.stats();
+    assert_eq!(b.device_ptr(), addr, "the large retiring block's memory, not new pages ({st:?})");
+    assert_eq!(st.reserved_bytes, before.reserved_bytes, "no page mapped for the second block");
+    assert!(st.device_waits > before.device_waits, "`s` waits for the copy stream on the device");
+    assert_eq!(st.retiring_bytes, 4096, "the small block still waits for its events");
+    drop(tx);
+    drop(b);
+    pool.trim().unwrap();
+    pool.check().unwrap();
+    assert_eq!(pool.stats().reserved_bytes, 0);
+}
+
+#[test]
 fn pool_stream_and_block_are_send_and_sync_as_promised() {
     fn send_sync<T: Send + Sync>() {}
     fn send<T: Send>() {}

@@ -4,6 +4,7 @@
 //! several streams released once their events complete, and free pages unmapped. The
 //! out-of-memory ladder ([`super::ladder`]) and `trim()` are made of these steps.
 
+use super::cross::Lane;
 use super::local;
 use super::place::KEEP_FREE_CHUNKS;
 use super::{PoolInner, StreamState};
@@ -170,7 +171,7 @@ impl PoolInner {
             settled |= e.fence.poll(|ev| dev.query_event(ev).unwrap_or(false), &guard);
         }
         let broken = self.config.break_event_guard_for_tests;
-        let (b, _) = self.cross.poll(
+        let b = self.cross.poll(
             |evs| broken || evs.iter().all(|ev| dev.query_event(ev).unwrap_or(false)),
             |s| self.release_clean(s),
             &guard,
@@ -190,8 +191,9 @@ impl PoolInner {
     /// events on the device; their memory goes back as if `st` had freed it (its fence), so
     /// `st` reuses it at once and other streams only after `st`'s next event, which follows
     /// the waits. Only blocks that are large or lie in a chunk `st` holds: a small block goes
-    /// back to its chunk's stream, which did not wait. Takes batches until `target` bytes
-    /// have gone or the oldest cannot go; returns whether any went.
+    /// back to its chunk's stream, which did not wait. Takes batches, large ones first, until
+    /// `target` bytes have gone or the oldest of each lane cannot go (`super::cross`);
+    /// returns whether any went.
     pub(crate) fn take_retiring(&self, st: &StreamState, target: u64) -> bool {
         let dev = &self.device;
         if self.cross.pending_bytes() == 0 || dev.is_capturing(&st.stream).unwrap_or(true) {
@@ -216,7 +218,20 @@ impl PoolInner {
                     })
                 }))
         };
-        let (batches, bytes) = self.cross.take_while(&mut take, |span| self.release(st, span), target, &epoch::pin());
+        let guard = epoch::pin();
+        let (mut batches, mut bytes) = (0, 0);
+        for lane in [Lane::Large, Lane::Small] {
+            let (b, n) = self.cross.take_while(
+                lane,
+                &mut take,
+                |span| self.release(st, span),
+                target.saturating_sub(bytes),
+                &guard,
+            );
+            batches += b;
+            bytes += n;
+        }
+        drop(guard);
         Counters::bump(&self.counters.device_waits, waits);
         Counters::bump(&self.counters.batches_retired, batches);
         if batches > 0 {
@@ -258,11 +273,7 @@ impl PoolInner {
                 waited = true;
             }
         }
-        if let Some(r) =
-            self.cross.with_oldest_event(|evs| evs.iter().try_for_each(|ev| dev.synchronize_event(ev)), &guard)
-        {
-            waited |= r.is_ok();
-        }
+        waited |= self.cross.each_oldest(|evs| evs.iter().all(|ev| dev.synchronize_event(ev).is_ok()), &guard);
         drop(guard);
         self.settle();
         waited
@@ -322,7 +333,8 @@ impl PoolInner {
             Counters::bump(&self.counters.events_recorded, 1);
             events.push(ev);
         }
-        self.cross.queue_batch(Some(events), vec![span], &epoch::pin());
+        let lane = if self.space.is_large(span.size) { Lane::Large } else { Lane::Small };
+        self.cross.queue(lane, events, span, &epoch::pin());
         Ok(())
     }
 

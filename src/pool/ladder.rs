@@ -20,9 +20,10 @@
 //! 6. **Device waits**: memory other streams freed whose events are not complete yet, with
 //!    this stream made to wait on those events on the device (`stream_wait_event`, as
 //!    `cuMemAllocAsync` does); then the oldest blocks used on several streams
-//!    (`record_stream`), taken before their events complete behind waits on all of them. Only here, where the alternative is to grow: a wait orders
-//!    two streams, which servers want to run independently. `PoolConfig::cross_stream_waits`
-//!    turns it off.
+//!    (`record_stream`), taken before their events complete behind waits on all of them:
+//!    large ones from any stream, small ones of this stream's chunks (module `cross`).
+//!    Only here, where the alternative is to grow: a wait orders two streams, which servers
+//!    want to run independently. `PoolConfig::cross_stream_waits` turns it off.
 //! 7. **Map past the peak**, up to `max_reserved`; with `trade_pages_on_map`, wholly free
 //!    pages mapped where the request does not fit are unmapped first, so the pool trades
 //!    pages rather than grow.
@@ -162,7 +163,25 @@ impl PoolInner {
                 self.unmap_free(free.saturating_sub(past_peak.next_multiple_of(page)));
             }
         }
+        let before = self.pages.peak_mapped_bytes();
         let got = self.place(st, size, Mode { reuse: Reuse::Ready, mapping: Mapping::Allowed })?;
+        if got.is_some() && self.pages.mapped_bytes() > before && tracing::enabled!(tracing::Level::DEBUG) {
+            // Why the pool grew: where the memory it held was when nothing fitted.
+            let s = self.stats();
+            tracing::debug!(
+                size,
+                stream = st.stream.id(),
+                reserved_mib = s.reserved_bytes >> 20,
+                allocated_mib = s.allocated_bytes >> 20,
+                thread_cached_mib = s.thread_cached_bytes >> 20,
+                depot_mib = s.depot_bytes >> 20,
+                retiring_mib = s.retiring_bytes >> 20,
+                stream_free_mib = s.stream_free_bytes >> 20,
+                free_mapped_mib = s.free_mapped_bytes >> 20,
+                largest_free_mapped_mib = s.largest_free_mapped >> 20,
+                "the pool grew past its peak"
+            );
+        }
         // The peak of live bytes is a sample, taken when the pool maps and when `stats()`
         // looks: summing every tier costs too much for every miss.
         self.sample_peak();

@@ -32,6 +32,7 @@
 
 mod block;
 mod books;
+mod cross;
 mod giveback;
 mod ladder;
 mod leaks;
@@ -63,9 +64,9 @@ use crate::arena::{PageMap, Space, CHUNK};
 use crate::cache::budget::Budget;
 use crate::cache::thread::{mag_cap, CacheShared};
 use crate::class;
-use crate::device::{Device, Event, Stream, StreamId};
+use crate::device::{Device, Stream, StreamId};
 use crate::error::{Error, Result};
-use crate::reclaim::{Retire, Span};
+use crate::reclaim::Span;
 use crate::stats::{Counters, Stats};
 use crate::sync::atomic::{AtomicU64, Ordering};
 use block::Placed;
@@ -252,7 +253,7 @@ pub(crate) struct PoolInner {
     /// Counters of caches that are gone, folded in so stats stay whole.
     folded: FoldedCounters,
     /// Blocks used on several streams, each behind one event per stream.
-    cross: Retire<Vec<Event>>,
+    cross: cross::CrossQueue,
     /// `record_stream` blocks dropped where no device call is allowed, waiting for a slow
     /// path to record their events.
     deferred_cross: crate::reclaim::Stack<(Span, Vec<Stream>)>,
@@ -339,7 +340,7 @@ impl Pool {
             orphans: ArcSwap::from_pointee(Vec::new()),
             caches: ArcSwap::from_pointee(Vec::new()),
             folded: FoldedCounters::default(),
-            cross: Retire::new(),
+            cross: cross::CrossQueue::default(),
             deferred_cross: crate::reclaim::Stack::new(),
             counters: CachePadded::new(Counters::default()),
             sites,

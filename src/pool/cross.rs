@@ -1,0 +1,99 @@
+//! The queue of blocks used on several streams (`record_stream`), each behind one event per
+//! stream it was used on, in two lanes: large blocks and small ones.
+//!
+//! Why two: rung 6 of the ladder may take such a block before its events complete, with the
+//! requesting stream made to wait on them, only if the block's memory goes back where that
+//! stream's wait covers every later user. A large block goes back to the extents as the
+//! taker's own free, so any stream may take any large block; a small one goes back to the
+//! chunk's stream, so only that stream may. Taking is oldest first and stops at the first
+//! batch the taker may not have: in one queue, a small block of another stream at the front
+//! held every large block behind it (the demo grew its peak with 127 MiB retiring behind
+//! one). In lanes, the large lane never blocks, and each lane stays oldest first.
+//!
+//! Each lane is a [`Retire`] (lock-free, epoch-reclaimed; see [`crate::reclaim`]); nothing
+//! here synchronises the two, since no operation needs them to agree: a batch lives in one
+//! lane from its queueing to its release.
+
+use crate::device::Event;
+use crate::reclaim::{Batch, Retire, Span};
+use crate::sync::epoch::Guard;
+
+/// Which lane a block goes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Lane {
+    /// Placed in the extents: back as the taker's free, so any stream may take it.
+    Large,
+    /// In a stream's buddy chunk: back to that stream's arena.
+    Small,
+}
+
+/// Blocks used on several streams, waiting for their events, in two lanes.
+#[derive(Default)]
+pub(crate) struct CrossQueue {
+    large: Retire<Vec<Event>>,
+    small: Retire<Vec<Event>>,
+}
+
+impl CrossQueue {
+    fn lane(&self, lane: Lane) -> &Retire<Vec<Event>> {
+        match lane {
+            Lane::Large => &self.large,
+            Lane::Small => &self.small,
+        }
+    }
+
+    /// Queue `span` behind `events` in `lane`.
+    pub(crate) fn queue(&self, lane: Lane, events: Vec<Event>, span: Span, guard: &Guard) {
+        self.lane(lane).queue_batch(Some(events), vec![span], guard);
+    }
+
+    /// Bytes waiting in both lanes.
+    pub(crate) fn pending_bytes(&self) -> u64 {
+        self.large.pending_bytes() + self.small.pending_bytes()
+    }
+
+    /// Whether either lane holds a batch.
+    pub(crate) fn has_pending(&self, guard: &Guard) -> bool {
+        self.large.has_pending(guard) || self.small.has_pending(guard)
+    }
+
+    /// Release, in each lane, every batch oldest first whose events `complete` says are
+    /// done, up to the first that is not. Returns the batches released.
+    pub(crate) fn poll(
+        &self,
+        mut complete: impl FnMut(&Vec<Event>) -> bool,
+        mut release: impl FnMut(Span),
+        guard: &Guard,
+    ) -> u64 {
+        let (a, _) = self.large.poll(&mut complete, &mut release, guard);
+        let (b, _) = self.small.poll(&mut complete, &mut release, guard);
+        a + b
+    }
+
+    /// Take batches of `lane`, oldest first, while `take` passes the oldest and fewer than
+    /// `until` bytes have gone (see [`Retire::take_while`]). Returns (batches, bytes).
+    pub(crate) fn take_while(
+        &self,
+        lane: Lane,
+        take: impl FnMut(&Batch<Vec<Event>>) -> bool,
+        release: impl FnMut(Span),
+        until: u64,
+        guard: &Guard,
+    ) -> (u64, u64) {
+        self.lane(lane).take_while(take, release, until, guard)
+    }
+
+    /// Run `f` on the oldest batch's events of each lane that holds one; true if any `f`
+    /// returned true.
+    pub(crate) fn each_oldest(&self, mut f: impl FnMut(&Vec<Event>) -> bool, guard: &Guard) -> bool {
+        let a = self.large.with_oldest_event(&mut f, guard).unwrap_or(false);
+        let b = self.small.with_oldest_event(&mut f, guard).unwrap_or(false);
+        a || b
+    }
+
+    /// Visit every span waiting (for checks and snapshots).
+    pub(crate) fn for_each_span(&self, mut f: impl FnMut(Span), guard: &Guard) {
+        self.large.for_each_span(&mut f, guard);
+        self.small.for_each_span(&mut f, guard);
+    }
+}
