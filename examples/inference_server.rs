@@ -632,6 +632,7 @@ fn run(args: &Args) -> Result<u64, Error> {
     let corrupted = setup.work.corrupted()?;
     #[cfg(feature = "cuda")]
     if let Some(g) = &setup.gpu {
+        println!("CUDA events created: {} (the rest were spares, reused)", g.events_created());
         g.release();
     }
     drop(sh);

@@ -252,6 +252,26 @@ fn a_reused_event_carries_only_its_new_record() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
+fn a_freshly_opened_device_hands_out_stocked_events_without_creating_any() {
+    let dev = vrampool::CudaDevice::new(0).unwrap();
+    let stocked = dev.events_created();
+    assert!(stocked > 0, "the device opened without a stock of events");
+    // As many events held at once as the stock: all come from it.
+    let held: Vec<_> = (0..stocked).map(|_| dev.create_event().unwrap()).collect();
+    assert_eq!(dev.events_created(), stocked);
+    // One more than the stock is a real creation, and dropping them all destroys none
+    // that the next round cannot take back.
+    let extra = dev.create_event().unwrap();
+    assert_eq!(dev.events_created(), stocked + 1);
+    drop(held);
+    drop(extra);
+    let again: Vec<_> = (0..=stocked).map(|_| dev.create_event().unwrap()).collect();
+    assert_eq!(dev.events_created(), stocked + 1);
+    drop(again);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
 fn wrapped_streams_get_fresh_ids() {
     let dev = device();
     dev.bind_context().unwrap();

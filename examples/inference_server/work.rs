@@ -183,6 +183,11 @@ extern "C" __global__ void check(unsigned long long base, unsigned long long wor
             })
         }
 
+        /// `cuEventCreate` calls the device made over the run.
+        pub fn events_created(&self) -> u64 {
+            self.dev.events_created()
+        }
+
         /// Give the counter's block back (before the pool's last check).
         pub fn release(&self) {
             drop(self.counter.lock().unwrap_or_else(|p| p.into_inner()).take());

@@ -38,8 +38,10 @@
 //!   the reuse. Why: with many threads busy on the device, `cuEventCreate` took milliseconds
 //!   where `cuEventRecord` took microseconds (`docs/BENCHMARKS.md`, ninth session), and the
 //!   pool records an event for every batch of frees; PyTorch's caching allocator pools its
-//!   events too. A drop then needs no driver call, so inside a host function a spare is
-//!   kept rather than parked.
+//!   events too. The list starts stocked (`STOCKED_EVENTS`, made when the device opens and
+//!   nothing else runs), since a busy server's first bursts would otherwise create them at
+//!   the dearest moment; [`CudaDevice::events_created`] counts the creations. A drop then
+//!   needs no driver call, so inside a host function a spare is kept rather than parked.
 //! - **Spin**: [`Device::spin`] launches a one-thread kernel that reads `%globaltimer` until
 //!   the time has passed (module `spin`), compiled once per device on first use.
 //! - **cudarc**: streams made from cudarc's `Arc<CudaStream>` and the device of a cudarc
@@ -67,6 +69,11 @@ use spin::SpinKernel;
 /// Most events kept for reuse per device (see the module docs); beyond it a dropped event is
 /// destroyed.
 const SPARE_EVENTS: usize = 1024;
+
+/// Events created when the device opens, before any thread is busy on it, so that the first
+/// bursts of batches and `record_stream` frees find spares instead of calling
+/// `cuEventCreate` while other threads hold the driver (module docs).
+const STOCKED_EVENTS: usize = 512;
 
 /// Every driver symbol this module calls. cudarc's loader
 /// panics on a missing one, so they are all looked up before the first call.
@@ -206,6 +213,8 @@ struct CudaInner {
     parked: Mutex<Vec<Parked>>,
     any_parked: AtomicBool,
     host_fn_panics: AtomicU64,
+    /// `cuEventCreate` calls made, the stock included.
+    events_created: AtomicU64,
     /// The spin kernel, loaded on the first [`Device::spin`] (or why it could not be).
     spin: OnceLock<Result<SpinKernel>>,
     /// Events of this context nobody holds, for reuse (`CUevent` handles).
@@ -353,8 +362,17 @@ impl CudaInner {
         Ok(())
     }
 
-    /// Unmap `[addr, addr + bytes)` page by page; the context must be current. Returns the
-    /// first failure but tries every page, so one bad page does not strand the rest.
+    /// A new event of our context, which must be current (`bind`/`enter` done).
+    fn new_event(&self) -> Result<usize> {
+        let mut raw: sys::CUevent = std::ptr::null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        // SAFETY: writes a new event handle of the current (our) context.
+        check("cuEventCreate", unsafe { sys::cuEventCreate(&mut raw, flags) })?;
+        self.events_created.fetch_add(1, Ordering::Relaxed);
+        Ok(raw as usize)
+    }
+
+    /// What every physical allocation of this device is made with.
     fn alloc_prop(&self) -> sys::CUmemAllocationProp {
         sys::CUmemAllocationProp {
             type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
@@ -537,6 +555,7 @@ impl CudaDevice {
             parked: Mutex::new(Vec::new()),
             any_parked: AtomicBool::new(false),
             host_fn_panics: AtomicU64::new(0),
+            events_created: AtomicU64::new(0),
             spin: OnceLock::new(),
             spare_events: crossbeam_queue::ArrayQueue::new(SPARE_EVENTS),
         };
@@ -571,6 +590,12 @@ impl CudaDevice {
             )));
         }
         inner.granularity = granularity;
+        for _ in 0..STOCKED_EVENTS {
+            let raw = inner.new_event()?;
+            // The queue holds SPARE_EVENTS > STOCKED_EVENTS, so the push cannot fail; were it
+            // to, the event would leak rather than be destroyed twice.
+            let _ = inner.spare_events.push(raw);
+        }
         Ok(CudaDevice { inner: Arc::new(inner) })
     }
 
@@ -598,6 +623,12 @@ impl CudaDevice {
     /// How many host functions panicked (the panic was caught; the stream carried on).
     pub fn host_fn_panics(&self) -> u64 {
         self.inner.host_fn_panics.load(Ordering::Acquire)
+    }
+
+    /// How many events this device has created with `cuEventCreate` over its life, the stock
+    /// made when it opened included; events handed out again from the spares are not counted.
+    pub fn events_created(&self) -> u64 {
+        self.inner.events_created.load(Ordering::Relaxed)
     }
 
     /// Where the spin kernel came from ("NVRTC" or "hand-written PTX"), once a
@@ -738,13 +769,7 @@ impl Device for CudaDevice {
         self.inner.enter()?;
         let raw = match self.inner.spare_events.pop() {
             Some(raw) => raw,
-            None => {
-                let mut raw: sys::CUevent = std::ptr::null_mut();
-                let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-                // SAFETY: writes a new event handle of the current (our) context.
-                check("cuEventCreate", unsafe { sys::cuEventCreate(&mut raw, flags) })?;
-                raw as usize
-            }
+            None => self.inner.new_event()?,
         };
         Ok(implement::new_event(Box::new(CudaEvent { raw, device: self.inner.clone() })))
     }
