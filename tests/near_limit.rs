@@ -248,10 +248,11 @@ fn report(name: &str, below: usize, lowest: f64) {
     );
 }
 
-// Waits for the lead's rewrite of the pool (issue 11): today's main refuses this case's
-// requests at 64–69% (class rounding and borrowed larger blocks count against the limit).
+// Issue 11's bar, not met yet: with exact misses near the limit (and the near-limit
+// placement), four runs refused 0–9 requests at or below 95%, the lowest at 0.77–0.84; the
+// rest is free memory in pieces under a page, which no non-moving placement gives back.
 #[test]
-#[ignore = "waits for issue 11's rewrite: today's pool refuses at 64-69% of max_reserved"]
+#[ignore = "issue 11's bar: 0-9 refusals at or below 95% of max_reserved remain (lowest 0.77-0.84)"]
 fn a_window_of_mixed_sizes_is_refused_only_above_95_percent() {
     let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     const THREADS: usize = 8;
@@ -284,9 +285,12 @@ fn a_window_of_mixed_sizes_is_refused_only_above_95_percent() {
     report("window", below, lowest);
 }
 
-// Waits for the lead's rewrite of the pool (issue 11), as the case above.
+// Issue 11's bar, not met: ~4,500 of ~8,800 refusals at or below 95% (lowest 0.67–0.77).
+// Requests of up to 32 MiB (an eighth of the limit) need that many whole free pages; a
+// sequential model of this case with exact sizes and the best of several placements
+// (`docs/BENCHMARKS.md`, tenth session) still refused 94 at or below 95% (lowest 0.881).
 #[test]
-#[ignore = "waits for issue 11's rewrite: today's pool refuses well below 95% of max_reserved"]
+#[ignore = "issue 11's bar: ~4,500 refusals at or below 95% of max_reserved remain (lowest 0.67-0.77)"]
 fn filling_to_the_brim_from_several_streams_is_refused_only_above_95_percent() {
     let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     const THREADS: usize = 4;

@@ -211,6 +211,35 @@ fn a_small_block_of_another_stream_queued_first_does_not_hold_back_a_large_one()
 }
 
 #[test]
+fn near_its_limit_a_miss_takes_the_bytes_asked_not_its_class() {
+    // 3.1 MiB is in the 3.25 MiB class; in whole 64 KiB granules of the arena it is 3.125 MiB.
+    const ASK: usize = 3_250_585;
+    const CLASS: usize = 13 << 18;
+    const EXACT: usize = 50 << 16;
+    let dev = SimDevice::new(256 << 20);
+    let config = PoolConfig { max_reserved: Some(64 << 20), ..PoolConfig::default() };
+    let pool = Pool::new(dev.clone(), config).unwrap();
+    let s = dev.new_stream().unwrap();
+    let far = pool.alloc(ASK, &s).unwrap();
+    assert_eq!(far.capacity(), CLASS, "far from the limit, a miss takes its class's size, to be cached");
+    // Past seven eighths of the limit mapped.
+    let ballast = pool.alloc(54 << 20, &s).unwrap();
+    assert!(pool.stats().reserved_bytes > 56 << 20);
+    let near = pool.alloc(ASK, &s).unwrap();
+    assert_eq!(near.capacity(), EXACT, "near the limit, what was asked, rounded as the arena rounds");
+    let held = pool.stats().allocated_bytes;
+    drop(near);
+    let st = pool.stats();
+    assert_eq!(st.cached_bytes, 0, "an exact block is not cached: its free goes to the arena");
+    assert_eq!(held - st.allocated_bytes, EXACT as u64);
+    pool.check().unwrap();
+    drop((far, ballast));
+    pool.trim().unwrap();
+    pool.check().unwrap();
+    assert_eq!(pool.stats().reserved_bytes, 0);
+}
+
+#[test]
 fn pool_stream_and_block_are_send_and_sync_as_promised() {
     fn send_sync<T: Send + Sync>() {}
     fn send<T: Send>() {}
