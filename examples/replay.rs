@@ -20,7 +20,9 @@
 //! - `--costs`: the simulator spends an H200 driver's costs (`SimCosts::h200`);
 //! - `--sim`: the simulator even where there is a GPU;
 //! - `--interleave`: play all the traces given at once, as one trace, each on its own streams;
-//! - `--map-run-pages N`: `PoolConfig::map_run_pages` (pages mapped per device call).
+//! - `--map-run-pages N`: `PoolConfig::map_run_pages` (pages mapped per device call);
+//! - `--no-trade`: `PoolConfig::trade_pages_on_map` off: the pool grows instead of moving
+//!   free pages' memory where a block lands (what a placement alone holds, and its speed).
 
 use std::collections::HashMap;
 use std::io::BufReader;
@@ -87,7 +89,7 @@ fn usage(why: &str) -> ! {
     eprintln!("{why}");
     eprintln!(
         "usage: replay [--busy-us N] [--sync-every M] [--warm] [--costs] [--sim] [--interleave] \
-         [--map-run-pages N] TRACE.csv[.gz] ..."
+         [--map-run-pages N] [--no-trade] TRACE.csv[.gz] ..."
     );
     std::process::exit(2);
 }
@@ -103,6 +105,7 @@ fn parse_args() -> Args {
             "--busy-us" => a.options.busy_us = number("--busy-us"),
             "--sync-every" => a.options.sync_every = number("--sync-every") as usize,
             "--map-run-pages" => a.options.config.map_run_pages = number("--map-run-pages") as usize,
+            "--no-trade" => a.options.config.trade_pages_on_map = false,
             "--warm" => a.options.warm = true,
             "--costs" => a.costs = true,
             "--sim" => a.sim = true,
