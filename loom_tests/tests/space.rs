@@ -68,7 +68,7 @@ fn a_claim_of_freed_granules_sees_the_fence_of_their_free() {
         let freer = thread::spawn(move || assert!(s1.free(a, GRANULE, fence)));
         let mut seen = None;
         let got = s.alloc_large(GRANULE, &mut |addr, len| {
-            s.fences(addr, len, |_, w| {
+            s.fences(addr, len, |_, _, w| {
                 seen = Some(w);
                 true
             });
@@ -84,7 +84,7 @@ fn a_claim_of_freed_granules_sees_the_fence_of_their_free() {
 /// The fences of the granules at `[addr, addr + len)`.
 fn fences_of(s: &Space, addr: u64, len: u64) -> Vec<u64> {
     let mut v = Vec::new();
-    s.fences(addr, len, |_, w| {
+    s.fences(addr, len, |_, _, w| {
         v.push(w);
         true
     });

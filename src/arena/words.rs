@@ -60,6 +60,17 @@ impl LazyWords {
         self.make(c)?.get(i % CHUNK)
     }
 
+    /// The words of chunk `c`, making it when `make`; `None` past the end, or absent and not
+    /// made.
+    #[inline]
+    pub fn chunk_of(&self, c: usize, make: bool) -> Option<&[AtomicU64]> {
+        match self.chunk(c) {
+            Some(words) => Some(words),
+            None if make => self.make(c),
+            None => None,
+        }
+    }
+
     /// Make chunk `c` (or find the one another thread made first); `None` past the end.
     #[cold]
     #[inline(never)]
