@@ -63,6 +63,19 @@ pub const MAX_RUN: usize = 64;
 /// The most pages a map may cover (its directory is made eagerly: 2^30 / 512 pointers).
 const MAX_PAGES: u64 = 1 << 30;
 
+/// Pages taken off a counter by one call, subtracted when the call is done (on every path
+/// out of it, failures included, so the pages its failure gives back are not counted twice).
+struct Tally<'a>(&'a AtomicU64, std::cell::Cell<u64>);
+
+impl Drop for Tally<'_> {
+    fn drop(&mut self) {
+        let n = self.1.get();
+        if n > 0 {
+            self.0.fetch_sub(n, Ordering::AcqRel);
+        }
+    }
+}
+
 /// Why [`PageMap::acquire`] failed; the pages it had taken are given back either way.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Acquire {
@@ -83,8 +96,9 @@ pub struct PageMap {
     words: LazyWords,
     mapped: AtomicU64,
     peak: AtomicU64,
-    /// Pages `MAPPED` with count 0. Updated after the CAS that changes a page, so it may dip
-    /// below zero for a moment (wrapping); read through `free_mapped_pages`.
+    /// Pages `MAPPED` with count 0. Updated after the CASes that change pages (once per call,
+    /// for all the pages it changed), so it may dip below zero for a moment (wrapping); read
+    /// through `free_mapped_pages`.
     free_mapped: AtomicU64,
     /// The most pages mapped in one call.
     max_run: usize,
@@ -218,6 +232,9 @@ impl PageMap {
                 "page map: [{addr:#x}, +{len:#x}) is not inside the range"
             ))));
         };
+        // Free mapped pages this call took a first reference on, counted off `free_mapped`
+        // once, when the call returns (one shared write, not one per page of a large block).
+        let took_free = Tally(&self.free_mapped, std::cell::Cell::new(0));
         // Pages this call holds in MAPPING, not yet mapped: `run.0 .. run.0 + run.1`.
         let mut run: Option<(usize, usize)> = None;
         let fail = |run: Option<(usize, usize)>, e: Acquire| {
@@ -252,7 +269,7 @@ impl PageMap {
                     MAPPED => match w.compare_exchange_weak(cur, cur + ONE, Ordering::AcqRel, Ordering::Acquire) {
                         Ok(_) => {
                             if cur >> COUNT_SHIFT == 0 {
-                                self.free_mapped.fetch_sub(1, Ordering::AcqRel);
+                                took_free.1.set(took_free.1.get() + 1);
                             }
                             break true;
                         }
@@ -358,6 +375,8 @@ impl PageMap {
     /// as it was).
     fn release_pages(&self, from: usize, to: usize) -> bool {
         let mut ok = true;
+        // Pages this call leaves free, added to `free_mapped` once at the end.
+        let mut freed = 0;
         for p in from..to {
             let Some(w) = self.word(p, false) else {
                 ok = false;
@@ -372,13 +391,16 @@ impl PageMap {
                 match w.compare_exchange_weak(cur, cur - ONE, Ordering::AcqRel, Ordering::Acquire) {
                     Ok(_) => {
                         if cur >> COUNT_SHIFT == 1 {
-                            self.free_mapped.fetch_add(1, Ordering::AcqRel);
+                            freed += 1;
                         }
                         break;
                     }
                     Err(now) => cur = now,
                 }
             }
+        }
+        if freed > 0 {
+            self.free_mapped.fetch_add(freed, Ordering::AcqRel);
         }
         ok
     }
