@@ -15,6 +15,10 @@
 //!   and window, threads kept for the whole benchmark so the caches are measured warm; the
 //!   time is per pair per thread, so 2 threads at the same time as 1 thread means twice the
 //!   aggregate throughput).
+//! - `large_pair`: one alloc + free of an uncached block (8, 64 and 256 MiB) through
+//!   `pool.alloc` on mapped memory, with 8 live blocks below it, beside best-fit's: what a
+//!   large block's trip through the arena costs as it grows (the best-fit pool's is the
+//!   same at any size).
 
 use std::hint::black_box;
 use std::sync::mpsc;
@@ -187,9 +191,33 @@ fn random_window(c: &mut Criterion) {
     g.finish();
 }
 
+fn large_pair(c: &mut Criterion) {
+    let (_dev, pool, streams) = setup();
+    let s = &streams[0];
+    let _below: Vec<_> = (0..8).map(|i| pool.alloc((5 + i) << 20, s).unwrap()).collect();
+    let bf = BestFit::new(0, 1 << 40);
+    let _bf_below: Vec<_> = (0..8).map(|i| bf.alloc((5 + i) << 20).unwrap()).collect();
+    let mut g = c.benchmark_group("large_pair");
+    for mib in [8usize, 64, 256] {
+        let bytes = mib << 20;
+        // Mapped once, then reused in place.
+        drop(pool.alloc(bytes, s).unwrap());
+        g.bench_with_input(BenchmarkId::new("pool_alloc", mib), &bytes, |b, &n| {
+            b.iter(|| drop(black_box(pool.alloc(n, s).unwrap())))
+        });
+        g.bench_with_input(BenchmarkId::new("bestfit", mib), &(bytes as u64), |b, &n| {
+            b.iter(|| {
+                let a = bf.alloc(n).unwrap();
+                bf.free(black_box(a), n);
+            })
+        });
+    }
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
-    targets = hot_pair, random_window
+    targets = hot_pair, random_window, large_pair
 }
 criterion_main!(benches);
