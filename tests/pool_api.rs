@@ -240,6 +240,53 @@ fn near_its_limit_a_miss_takes_the_bytes_asked_not_its_class() {
 }
 
 #[test]
+fn when_the_peak_rises_a_busy_threads_cache_gives_back_its_excess_at_its_next_miss() {
+    // A worker fills its cache with ~74 MiB of freed blocks (four each of eight classes
+    // between 1 and 3.6 MiB), then keeps working on hits, so no thief takes its cache. The
+    // main thread grows the pool past its peak. At the worker's next miss, its cache gives
+    // back all but its keep (16 MiB).
+    use std::sync::mpsc;
+    const KEEP: u64 = 16 << 20;
+    let (dev, pool, s) = pool(4 << 30);
+    let other = dev.new_stream().unwrap();
+    let (order, orders) = mpsc::channel::<bool>();
+    let (report, reports) = mpsc::channel::<u64>();
+    std::thread::scope(|sc| {
+        let (pool, other) = (&pool, &other);
+        sc.spawn(move || {
+            let cache = pool.stream_cache(other).unwrap();
+            let sizes = (0..8).flat_map(|i| [(1 << 20) + i * (384 << 10); 4]);
+            drop(sizes.map(|n| cache.alloc(n).unwrap()).collect::<Vec<_>>());
+            report.send(pool.stats().thread_cached_bytes).unwrap();
+            loop {
+                match orders.try_recv() {
+                    // A miss: no class within two doublings of 100 KiB is held (nor borrowed).
+                    Ok(true) => {
+                        drop(cache.alloc(100 << 10).unwrap());
+                        report.send(pool.stats().thread_cached_bytes).unwrap();
+                    }
+                    Ok(false) => break,
+                    Err(_) => drop(cache.alloc(4096).unwrap()),
+                }
+            }
+        });
+        let filled = reports.recv().unwrap();
+        assert!(filled > 64 << 20, "the worker's cache holds {filled} bytes");
+        let peak = pool.stats().peak_reserved_bytes;
+        let big = pool.alloc(512 << 20, &s).unwrap();
+        assert!(pool.stats().peak_reserved_bytes > peak, "the pool grew");
+        order.send(true).unwrap();
+        let after = reports.recv().unwrap();
+        order.send(false).unwrap();
+        drop(big);
+        assert!(after <= KEEP + (64 << 10), "{after} bytes still cached after the pool grew ({filled} before)");
+    });
+    pool.flush_thread_cache();
+    pool.trim().unwrap();
+    pool.check().unwrap();
+}
+
+#[test]
 fn pool_stream_and_block_are_send_and_sync_as_promised() {
     fn send_sync<T: Send + Sync>() {}
     fn send<T: Send>() {}

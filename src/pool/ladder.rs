@@ -26,7 +26,9 @@
 //!    want to run independently. `PoolConfig::cross_stream_waits` turns it off.
 //! 7. **Map past the peak**, up to `max_reserved`; with `trade_pages_on_map`, wholly free
 //!    pages mapped where the request does not fit are unmapped first, so the pool trades
-//!    pages rather than grow.
+//!    pages rather than grow. When the peak does rise, every thread's cache gives back what
+//!    it holds beyond a keep at its owner's next slow path (busy caches are never taken
+//!    from: see rung 5), so that the requests after this one find that memory.
 //! 8. **Host waits**: on every stream's work so far (the requesting stream's too: unmapping a
 //!    page needs its work done) and the oldest multi-stream batch, then
 //!    everything idle is reclaimed again, free pages are unmapped, and the request tried
@@ -39,6 +41,7 @@ use super::place::{Mapping, Mode, Reuse};
 use super::{PoolInner, StreamState};
 use crate::error::{Error, OutOfMemory, Result};
 use crate::stats::Counters;
+use crate::sync::atomic::Ordering;
 
 /// Most rounds of the last rung before the pool gives up; it stops sooner after a round that
 /// released nothing.
@@ -165,6 +168,11 @@ impl PoolInner {
         }
         let before = self.pages.peak_mapped_bytes();
         let got = self.place(st, size, Mode { reuse: Reuse::Ready, mapping: Mapping::Allowed })?;
+        if got.is_some() && self.pages.peak_mapped_bytes() > before {
+            // Busy threads' caches give back what they hold beyond their keep at their next
+            // slow path (`local::SHED_KEEP`), so the requests that follow find it.
+            self.grew.fetch_add(1, Ordering::Release);
+        }
         if got.is_some() && self.pages.mapped_bytes() > before && tracing::enabled!(tracing::Level::DEBUG) {
             // Why the pool grew: where the memory it held was when nothing fitted.
             let s = self.stats();

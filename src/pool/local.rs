@@ -54,6 +54,16 @@ const BORROW_CLASSES_LARGE: usize = 6;
 /// steady state the high stays put and borrowing only saves misses.
 const GROWTH_COLD_CALLS: u32 = 256;
 
+/// What a thread's cache keeps when the pool's peak rises: the rest it gives back at its
+/// owner's next slow path ([`ThreadCache::shed_if_grew`]). A busy thread's cache is never
+/// taken from (rung 5 of the ladder takes idle ones only: stealing from working threads cost
+/// them their hit rate), and the demo's two workers each held up to 55 MiB in theirs while
+/// the other's request grew the pool: 27 runs had peak reserved ÷ peak live 1.042–1.348,
+/// four of them above 1.2; giving back down to 16 MiB after each rise, 18 runs read
+/// 1.055–1.188 at the same throughput (simulator, `docs/BENCHMARKS.md`). A steady state
+/// does not raise the peak, so the random window's hit rate does not change.
+const SHED_KEEP: u64 = 16 << 20;
+
 // The hit path looks at most this far up.
 const _: () = assert!(BORROW_CLASSES <= crate::cache::thread::REACH_MAX);
 
@@ -76,6 +86,8 @@ pub(crate) struct ThreadCache {
     growing: Cell<bool>,
     /// Whether the pool grows, as this cache sees it.
     growth: GrowthWatch,
+    /// The pool's `grew` count this cache last acted on.
+    grew_seen: Cell<u64>,
 }
 
 /// Whether a pool is growing, from the bytes out of its space as one cache sees them at its
@@ -128,6 +140,7 @@ impl ThreadCache {
             near: Cell::new(pool.near_limit()),
             growing: Cell::new(true),
             growth: GrowthWatch::new(pool.space_held()),
+            grew_seen: Cell::new(pool.grew.load(Ordering::Acquire)),
         };
         tc.set_reach();
         tc
@@ -178,6 +191,7 @@ impl ThreadCache {
     #[inline(never)]
     pub(crate) fn alloc_cold(&self, bytes: usize, class: Option<usize>, site: &'static Location) -> Result<Placed> {
         let pool = &*self.pool;
+        self.shed_if_grew();
         let (near, growing) = (pool.near_limit(), self.pool_growing());
         if (near, growing) != (self.near.get(), self.growing.get()) {
             self.near.set(near);
@@ -260,6 +274,30 @@ impl ThreadCache {
         hit
     }
 
+    /// If the pool's peak rose since this cache last looked, give back what it holds beyond
+    /// [`SHED_KEEP`], largest classes first: memory other threads' requests then find
+    /// instead of mapping more. Done by the owner itself, on its own slow path: no thief,
+    /// no barrier.
+    fn shed_if_grew(&self) {
+        let grew = self.pool.grew.load(Ordering::Acquire);
+        if grew == self.grew_seen.get() {
+            return;
+        }
+        self.grew_seen.set(grew);
+        if self.shared.counters.cached_bytes.load(Ordering::Relaxed) <= SHED_KEEP {
+            return;
+        }
+        let mut spilled = Vec::new();
+        self.shared.enter_wait();
+        // Read again under the handshake: a thief may have emptied the cache meanwhile.
+        let over = self.shared.counters.cached_bytes.load(Ordering::Relaxed).saturating_sub(SHED_KEEP);
+        // SAFETY: entered above.
+        unsafe { self.shared.drain_some(over, 0..self.pool.hot.classes, |cl, a| spilled.push((cl, a))) };
+        self.shrink_budget();
+        self.shared.exit();
+        self.pool.free_cached(&self.stream, spilled);
+    }
+
     /// Reserve cache budget so that the cache may hold `want` bytes (up to the per-thread
     /// bound): in chunks, so the shared counter moves rarely. Returns the reservation now.
     /// Called entered (the reservation is written only under the handshake).
@@ -337,6 +375,7 @@ impl ThreadCache {
                 pool.release(&self.stream, crate::reclaim::Span { addr: a, size: slot.size });
             }
         }
+        self.shed_if_grew();
     }
 
     /// Move every block out: to the depots when `to_depots`, else (and past the depots'

@@ -238,6 +238,9 @@ pub(crate) struct PoolInner {
     /// otherwise evict it from every core's cache at each write.
     pub(crate) hot: CachePadded<Hot>,
     space: CachePadded<Space>,
+    /// Bumped each time the pool's peak rises (ladder rung 7): thread caches see it at their
+    /// owners' next slow path and give back what they hold beyond their keep (`local`).
+    pub(crate) grew: AtomicU64,
     pages: CachePadded<PageMap>,
     /// The bound on every cache together.
     pub(crate) cache_budget: crate::sync::Arc<Budget>,
@@ -343,6 +346,7 @@ impl Pool {
             cross: cross::CrossQueue::default(),
             deferred_cross: crate::reclaim::Stack::new(),
             counters: CachePadded::new(Counters::default()),
+            grew: AtomicU64::new(0),
             sites,
         });
         let pool = Pool { _handle: Arc::new(LastHandle(Arc::clone(&inner))), inner };
