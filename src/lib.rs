@@ -67,6 +67,7 @@ pub(crate) mod cache;
 
 mod buffer;
 pub(crate) mod class;
+mod clock;
 pub mod device;
 pub mod error;
 #[cfg(not(loom))]

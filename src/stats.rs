@@ -177,14 +177,19 @@ impl Counters {
         counter.fetch_add(by, Ordering::Relaxed);
     }
 
-    /// Run `f`, adding the time it took to `counter` in ns: for slow paths only (a clock
-    /// read is dearer than a cache hit).
+    /// Run `f`, adding the time it took to `counter` in ticks ([`crate::clock`]; read them
+    /// as ns with [`Counters::get_ns`]): for slow paths only (a clock read is dearer than a
+    /// cache hit).
     pub(crate) fn timed<T>(counter: &AtomicU64, f: impl FnOnce() -> T) -> T {
-        let start = std::time::Instant::now();
+        let start = crate::clock::ticks();
         let out = f();
-        let ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        counter.fetch_add(ns, Ordering::Relaxed);
+        counter.fetch_add(crate::clock::ticks().saturating_sub(start), Ordering::Relaxed);
         out
+    }
+
+    /// A counter [`Counters::timed`] adds to, in ns.
+    pub(crate) fn get_ns(counter: &AtomicU64) -> u64 {
+        crate::clock::to_ns(counter.load(Ordering::Acquire))
     }
 
     pub(crate) fn get(counter: &AtomicU64) -> u64 {
