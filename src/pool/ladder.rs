@@ -26,9 +26,10 @@
 //!    want to run independently. `PoolConfig::cross_stream_waits` turns it off.
 //! 7. **Map past the peak**, up to `max_reserved`; with `trade_pages_on_map`, wholly free
 //!    pages mapped where the request does not fit are unmapped first, so the pool trades
-//!    pages rather than grow. When the peak does rise, every thread's cache gives back what
-//!    it holds beyond a keep at its owner's next slow path (busy caches are never taken
-//!    from: see rung 5), so that the requests after this one find that memory.
+//!    pages rather than grow. When the peak does rise (by a growth step), every thread's
+//!    cache gives back what it holds beyond a keep at its owner's next slow path (busy
+//!    caches are never taken from: see rung 5), so that the requests after this one find
+//!    that memory.
 //! 8. **Host waits**: on every stream's work so far (the requesting stream's too: unmapping a
 //!    page needs its work done) and the oldest multi-stream batch, then
 //!    everything idle is reclaimed again, free pages are unmapped, and the request tried
@@ -146,6 +147,24 @@ impl PoolInner {
         })))
     }
 
+    /// After a placement past the peak: if the peak rose a growth step (a 64th, at least a
+    /// chunk) past where it stood when caches were last asked, ask again: every thread's
+    /// cache gives back what it holds beyond its keep at its owner's next slow path
+    /// (`local::SHED_KEEP`), so that the requests after this one find that memory. A step,
+    /// not any rise: in a steady state the peak still creeps up now and then (the highest
+    /// value of a random walk grows with time), and caches drained at each creep would miss
+    /// for nothing.
+    fn note_growth(&self) {
+        let peak = self.pages.peak_mapped_bytes();
+        let asked = self.shed_peak.load(Ordering::Acquire);
+        let step = (asked / 64).max(crate::arena::CHUNK);
+        if peak >= asked.saturating_add(step)
+            && self.shed_peak.compare_exchange(asked, peak, Ordering::AcqRel, Ordering::Acquire).is_ok()
+        {
+            self.grew.fetch_add(1, Ordering::Release);
+        }
+    }
+
     /// Rung 7: map up to `max_reserved`. Mapping new pages while wholly free pages stay
     /// mapped where the request did not fit would raise the footprint by memory the pool
     /// does not use: past the peak, that many free pages are unmapped first (those no
@@ -168,10 +187,8 @@ impl PoolInner {
         }
         let before = self.pages.peak_mapped_bytes();
         let got = self.place(st, size, Mode { reuse: Reuse::Ready, mapping: Mapping::Allowed })?;
-        if got.is_some() && self.pages.peak_mapped_bytes() > before {
-            // Busy threads' caches give back what they hold beyond their keep at their next
-            // slow path (`local::SHED_KEEP`), so the requests that follow find it.
-            self.grew.fetch_add(1, Ordering::Release);
+        if got.is_some() {
+            self.note_growth();
         }
         if got.is_some() && self.pages.mapped_bytes() > before && tracing::enabled!(tracing::Level::DEBUG) {
             // Why the pool grew: where the memory it held was when nothing fitted.

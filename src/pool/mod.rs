@@ -238,9 +238,12 @@ pub(crate) struct PoolInner {
     /// otherwise evict it from every core's cache at each write.
     pub(crate) hot: CachePadded<Hot>,
     space: CachePadded<Space>,
-    /// Bumped each time the pool's peak rises (ladder rung 7): thread caches see it at their
-    /// owners' next slow path and give back what they hold beyond their keep (`local`).
+    /// Bumped each time the pool's peak rises by a growth step (ladder rung 7): thread caches
+    /// see it at their owners' next slow path and give back what they hold beyond their
+    /// keep (`local`).
     pub(crate) grew: AtomicU64,
+    /// The peak when `grew` was last bumped.
+    shed_peak: AtomicU64,
     pages: CachePadded<PageMap>,
     /// The bound on every cache together.
     pub(crate) cache_budget: crate::sync::Arc<Budget>,
@@ -347,6 +350,7 @@ impl Pool {
             deferred_cross: crate::reclaim::Stack::new(),
             counters: CachePadded::new(Counters::default()),
             grew: AtomicU64::new(0),
+            shed_peak: AtomicU64::new(0),
             sites,
         });
         let pool = Pool { _handle: Arc::new(LastHandle(Arc::clone(&inner))), inner };
