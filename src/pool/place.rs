@@ -13,14 +13,16 @@
 //! - [`Mapping`]: whether the block may land on unmapped pages, and up to what: none
 //!   (prefer memory already mapped), the pool's peak, or `max_reserved`.
 //!
-//! Near its limit (seven eighths of `max_reserved` mapped) a large block that may map is not
-//! placed first fit but in the run needing the fewest pages it does not find mapped (or lent
-//! with their memory free to come back), then in the tightest such run, with the far end of
-//! each run a candidate too: there, every page a placement touches for the first time is one
-//! the pool may not have, and first fit took the lowest run however many it needed. In the
-//! near-limit stress (`tests/near_limit.rs`, four runs each) the brim case, which lives at
-//! its limit, then refused 4,381–4,597 requests at or below 95% of the limit instead of
-//! 5,399–5,607.
+//! Near its limit (seven eighths of `max_reserved` mapped) a large block is not placed first
+//! fit but in the run needing the fewest pages it does not find mapped (or lent with their
+//! memory free to come back), then in the tightest such run, with the far end of each run a
+//! candidate too: there, every page a placement touches for the first time is one the pool
+//! may not have, and first fit took the lowest run however many it needed; among runs on
+//! mapped pages this is best fit, which leaves the larger free runs whole for the requests
+//! that need them. In the near-limit stress (`tests/near_limit.rs`) the brim case, which
+//! lives at its limit, refused 5,399–5,607 requests at or below 95% of the limit in four
+//! runs with first fit, 4,400–4,677 in three with the placements that may map scored, and
+//! 4,200–4,234 in three with every large placement scored.
 //!
 //! A freed block goes back at once: a small one to its stream's arena (whole chunks beyond a
 //! few go back to the space), a large one to the space with its stream's fence on every
@@ -335,7 +337,7 @@ impl PoolInner {
         let (addr, held) = loop {
             let got = if chunk {
                 self.space.alloc_chunk(&mut accept)
-            } else if mode.mapping != Mapping::Forbidden && self.near_limit() {
+            } else if self.near_limit() {
                 // Near the limit every page a block needs beyond those it finds mapped may be
                 // one the pool cannot have: the run needing the fewest, then the tightest
                 // (module docs).
