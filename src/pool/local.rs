@@ -59,9 +59,10 @@ const GROWTH_COLD_CALLS: u32 = 256;
 /// taken from (rung 5 of the ladder takes idle ones only: stealing from working threads cost
 /// them their hit rate), and the demo's two workers each held up to 55 MiB in theirs while
 /// the other's request grew the pool: 27 runs had peak reserved ÷ peak live 1.042–1.348,
-/// four of them above 1.2; giving back down to 16 MiB after each rise, 18 runs read
-/// 1.055–1.188 at the same throughput (simulator, `docs/BENCHMARKS.md`). A steady state
-/// does not raise the peak, so the random window's hit rate does not change.
+/// four of them above 1.2; giving back down to 16 MiB after each rise, 38 runs read
+/// 1.038–1.188 at the same throughput (simulator, `docs/BENCHMARKS.md`). A steady state
+/// does not raise the peak by a growth step, so the random window's hit rate does not
+/// change.
 const SHED_KEEP: u64 = 16 << 20;
 
 // The hit path looks at most this far up.
