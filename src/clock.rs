@@ -7,30 +7,36 @@
 //! (`docs/BENCHMARKS.md`, tenth session). On x86-64 with an invariant TSC (one that runs at
 //! a constant rate in every power state and is the same on every core: CPUID leaf
 //! `0x8000_0007`, EDX bit 8), the counters add up TSC ticks instead (`rdtsc`, a few ns), and
-//! ticks become nanoseconds when the counters are read: at the rate the TSC and `Instant`
-//! both ran at since this process's first tick. Elsewhere a tick is a nanosecond of
-//! `Instant` since that first tick.
+//! ticks become nanoseconds when the counters are read, at a rate measured once: at the
+//! first read, over the time since the process's first tick, at least 10 ms of it (a read
+//! sooner waits for the rest; a window of 200 µs was off by 5% at times on a busy virtual
+//! machine). Once, so that a counter reads the same every time: a rate measured at each
+//! read made the C ABI's statistics change length between two calls on a quiet pool.
+//! Elsewhere a tick is a nanosecond of `Instant` since that first tick.
 //!
 //! Only statistics depend on this: no decision of the pool reads a tick.
 
 use std::sync::OnceLock;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-/// Where the process's ticks start, read once.
+/// Where the process's ticks start.
 struct Origin {
     instant: Instant,
-    /// The TSC when `instant` was read.
-    tsc_at: u64,
-    /// Whether ticks are TSC ticks.
-    tsc: bool,
+    /// The TSC when `instant` was read; `None` where ticks are `Instant`'s nanoseconds.
+    tsc_at: Option<u64>,
 }
 
+/// The least time over which the TSC's rate is measured against `Instant`.
+const CALIBRATION: Duration = Duration::from_millis(10);
+
 static ORIGIN: OnceLock<Origin> = OnceLock::new();
+/// Nanoseconds per TSC tick, measured at the first read of a count.
+static RATE: OnceLock<f64> = OnceLock::new();
 
 fn origin() -> &'static Origin {
     ORIGIN.get_or_init(|| {
         let tsc = invariant_tsc();
-        Origin { instant: Instant::now(), tsc_at: if tsc { read_tsc() } else { 0 }, tsc }
+        Origin { instant: Instant::now(), tsc_at: tsc.then(read_tsc) }
     })
 }
 
@@ -38,25 +44,28 @@ fn origin() -> &'static Origin {
 #[inline]
 pub(crate) fn ticks() -> u64 {
     let o = origin();
-    if o.tsc {
-        read_tsc()
-    } else {
-        u64::try_from(o.instant.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    match o.tsc_at {
+        Some(_) => read_tsc(),
+        None => u64::try_from(o.instant.elapsed().as_nanos()).unwrap_or(u64::MAX),
     }
 }
 
 /// `ticks` (a sum of tick differences) in nanoseconds.
 pub(crate) fn to_ns(ticks: u64) -> u64 {
     let o = origin();
-    if !o.tsc {
-        return ticks;
-    }
-    let ns = o.instant.elapsed().as_nanos() as f64;
-    let elapsed = read_tsc().wrapping_sub(o.tsc_at) as f64;
-    if elapsed < 1.0 {
-        return 0;
-    }
-    (ticks as f64 * ns / elapsed) as u64
+    let Some(start) = o.tsc_at else { return ticks };
+    let rate = RATE.get_or_init(|| {
+        if let Some(rest) = CALIBRATION.checked_sub(o.instant.elapsed()) {
+            std::thread::sleep(rest);
+        }
+        let (ns, elapsed) = (o.instant.elapsed().as_nanos() as f64, read_tsc().wrapping_sub(start) as f64);
+        if elapsed >= 1.0 {
+            ns / elapsed
+        } else {
+            0.0
+        }
+    });
+    (ticks as f64 * rate) as u64
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -97,14 +106,19 @@ mod tests {
 
     #[test]
     fn ticks_over_a_sleep_read_as_about_its_length_in_ns() {
-        // Let the rate settle past the origin first, as any pool's does.
-        let _ = ticks();
-        std::thread::sleep(std::time::Duration::from_millis(20));
         let (t0, i0) = (ticks(), Instant::now());
         std::thread::sleep(std::time::Duration::from_millis(50));
         let (t1, i1) = (ticks(), Instant::now());
         let ns = to_ns(t1 - t0) as f64;
         let real = (i1 - i0).as_nanos() as f64;
         assert!((ns / real - 1.0).abs() < 0.05, "{ns} ns by ticks against {real} by Instant");
+    }
+
+    #[test]
+    fn a_count_reads_the_same_every_time() {
+        let t = ticks().wrapping_sub(0) % (1 << 40);
+        let first = to_ns(t);
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        assert_eq!(to_ns(t), first, "a counter's value must not move while nothing adds to it");
     }
 }
