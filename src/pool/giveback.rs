@@ -14,6 +14,10 @@ use crate::reclaim::Span;
 use crate::stats::Counters;
 use crate::sync::epoch;
 
+/// Rounds in which [`PoolInner::trim`] looks again at caches it could not take from (100 µs
+/// apart).
+const TRIM_STEAL_ROUNDS: usize = 50;
+
 impl PoolInner {
     /// Blocks taken out of a cache of `st`'s stream, as (class, address), back to the arena.
     pub(crate) fn free_cached(&self, st: &StreamState, blocks: Vec<(usize, u64)>) {
@@ -68,8 +72,15 @@ impl PoolInner {
     ///
     /// [`CacheShared::idle`]: crate::cache::thread::CacheShared::idle
     pub(crate) fn steal_idle_caches(&self, only_idle: bool) -> u64 {
+        self.steal_caches(only_idle).0
+    }
+
+    /// [`PoolInner::steal_idle_caches`], also counting the caches looked at that could not
+    /// be taken from (their owner, or another thief, was inside): (blocks taken, caches
+    /// missed).
+    fn steal_caches(&self, only_idle: bool) -> (u64, usize) {
         let guard = epoch::pin();
-        let mut taken = 0;
+        let (mut taken, mut missed) = (0, 0);
         for (shared, st) in self.caches.load().iter() {
             // A cache in use keeps its blocks (its thread would only miss and take them
             // back), and is spared the thief's barrier, which interrupts every core.
@@ -77,15 +88,16 @@ impl PoolInner {
                 continue;
             }
             let mut out = Vec::new();
-            shared.try_steal(|c| {
+            let took = shared.try_steal(|c| {
                 // SAFETY: try_steal holds the handshake while this runs.
                 unsafe { c.drain(&st.depots, false, |cl, a| out.push((cl, a)), &guard) };
                 self.release_budget(c);
             });
+            missed += usize::from(!took);
             taken += out.len() as u64;
             self.free_cached(st, out);
         }
-        taken
+        (taken, missed)
     }
 
     /// Every stream's wholly free chunks back to the space (each stream keeps `keep`);
@@ -282,7 +294,18 @@ impl PoolInner {
     /// Give back what the pool holds and does not use (see [`crate::Pool::trim`]).
     pub(crate) fn trim(&self) -> crate::Result<()> {
         local::flush(self);
-        self.steal_idle_caches(false);
+        // A cache whose owner is inside an operation cannot be taken from. Its owner leaves
+        // within that operation: a hit, or at most the flush into the depots its thread runs
+        // as it exits, which may still be under way when a caller that joined the thread
+        // trims (a thread's join can return before its thread-local destructors have run:
+        // Python's does, and CI once saw `vrampool_empty_cache` leave 10 MiB cached so). So
+        // trim looks again, for a few milliseconds at most, before the depots are flushed.
+        for _ in 0..TRIM_STEAL_ROUNDS {
+            if self.steal_caches(false).1 == 0 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        }
         self.flush_depots(u64::MAX, self.all_classes());
         // Twice: blocks used on several streams, released by the first round's waits, may
         // leave chunks wholly free, whose return stamps fences the second round waits for.
