@@ -29,7 +29,7 @@
 
 use super::extent::Extents;
 pub use super::stream::{CHUNK, CHUNK_ORDER};
-use super::words::{LazyWords, CHUNK as WORDS};
+use super::words::LazyWords;
 use crate::error::{Error, Result};
 use crate::sync::atomic::Ordering;
 
@@ -165,29 +165,16 @@ impl Space {
                 }
             }
         };
-        let mut g = first;
-        while g < end {
-            let c = (g / WORDS as u64) as usize;
-            let stop = ((c as u64 + 1) * WORDS as u64).min(end);
-            match self.fences.chunk(c) {
+        let mut going = true;
+        self.fences.slices(first as usize, end as usize, false, |i, words| {
+            going = match words {
                 // A granule whose word was never made was never freed by anyone: clean.
-                None => {
-                    if !step(g, 0, &mut run) {
-                        return;
-                    }
-                }
-                Some(words) => {
-                    for i in g..stop {
-                        let w = words.get(i as usize % WORDS).map_or(0, |w| w.load(Ordering::Acquire));
-                        if !step(i, w, &mut run) {
-                            return;
-                        }
-                    }
-                }
-            }
-            g = stop;
-        }
-        if let Some((s, w)) = run {
+                None => step(i as u64, 0, &mut run),
+                Some(words) => words.iter().zip(i as u64..).all(|(w, g)| step(g, w.load(Ordering::Acquire), &mut run)),
+            };
+            going
+        });
+        if let (true, Some((s, w))) = (going, run) {
             f(at(s), at(end), w);
         }
     }
@@ -213,20 +200,15 @@ impl Space {
             return false;
         }
         let (first, end) = ((addr - self.base) >> GRANULE_SHIFT, (addr - self.base + size).div_ceil(GRANULE));
-        let mut g = first;
-        while g < end {
-            let c = (g / WORDS as u64) as usize;
-            let stop = ((c as u64 + 1) * WORDS as u64).min(end);
-            // A chunk never made reads as fence 0: only a real fence needs it made.
-            if let Some(words) = self.fences.chunk_of(c, fence != 0) {
-                for w in &words[g as usize % WORDS..=(stop - 1) as usize % WORDS] {
-                    // Release: an allocator that sees the granule free (the bitmap word's
-                    // acquire, after the free's release) sees this fence.
-                    w.store(fence, Ordering::Release);
-                }
+        // A chunk never made reads as fence 0: only a real fence needs it made.
+        self.fences.slices(first as usize, end as usize, fence != 0, |_, words| {
+            for w in words.into_iter().flatten() {
+                // Release: an allocator that sees the granule free (the bitmap word's
+                // acquire, after the free's release) sees this fence.
+                w.store(fence, Ordering::Release);
             }
-            g = stop;
-        }
+            true
+        });
         self.extents.free(addr, size)
     }
 
@@ -352,7 +334,7 @@ mod tests {
     #[test]
     fn fence_runs_cross_word_chunks_and_stop_when_asked() {
         // 3 word chunks of granules; a block across the first boundary, freed in two parts.
-        let words = WORDS as u64;
+        let words = crate::arena::words::CHUNK as u64;
         let s = Space::new(BASE, 3 * words * GRANULE, 2 * CHUNK).unwrap();
         let a = s.alloc_large((words + 20) * GRANULE, &mut |_, _| Ok(())).unwrap();
         assert!(s.free(a, (words - 10) * GRANULE, fence_word(4, 1)));

@@ -50,24 +50,35 @@ impl LazyWords {
     /// Word `i`, making its chunk when `make`; `None` past the end, or absent and not made.
     #[inline]
     pub fn get(&self, i: usize, make: bool) -> Option<&AtomicU64> {
-        let c = i / CHUNK;
-        if let Some(words) = self.chunk(c) {
-            return words.get(i % CHUNK);
-        }
-        if !make {
-            return None;
-        }
-        self.make(c)?.get(i % CHUNK)
+        self.chunk_of(i / CHUNK, make)?.get(i % CHUNK)
     }
 
     /// The words of chunk `c`, making it when `make`; `None` past the end, or absent and not
     /// made.
     #[inline]
-    pub fn chunk_of(&self, c: usize, make: bool) -> Option<&[AtomicU64]> {
+    fn chunk_of(&self, c: usize, make: bool) -> Option<&[AtomicU64]> {
         match self.chunk(c) {
             Some(words) => Some(words),
             None if make => self.make(c),
             None => None,
+        }
+    }
+
+    /// Visit words `from..to` (cut at the end) a chunk at a time, lowest first: `f(first,
+    /// words)` with the words of one chunk in the range, `first` the index of the first, or
+    /// `None` for a chunk absent (all zero) and not made (made when `make`). Stops when `f`
+    /// returns false. For loops over many words: one directory look a chunk, not one a word.
+    pub fn slices(&self, from: usize, to: usize, make: bool, mut f: impl FnMut(usize, Option<&[AtomicU64]>) -> bool) {
+        let to = to.min(self.len);
+        let mut i = from;
+        while i < to {
+            let c = i / CHUNK;
+            let stop = ((c + 1) * CHUNK).min(to);
+            let words = self.chunk_of(c, make).map(|w| &w[i - c * CHUNK..stop - c * CHUNK]);
+            if !f(i, words) {
+                return;
+            }
+            i = stop;
         }
     }
 
@@ -130,5 +141,24 @@ mod tests {
         assert_eq!(w.get(3 * CHUNK + 6, true).unwrap().load(Ordering::Relaxed), 0);
         assert_eq!(w.chunk(3).unwrap().len(), 7, "the last chunk is only as long as needed");
         assert!(w.get(3 * CHUNK + 7, true).is_none(), "past the end");
+    }
+
+    #[test]
+    fn slices_go_a_chunk_at_a_time_and_make_chunks_only_when_asked() {
+        let w = LazyWords::new(3 * CHUNK);
+        w.get(CHUNK + 1, true).unwrap().store(9, Ordering::Relaxed);
+        let mut seen = vec![];
+        w.slices(CHUNK - 2, 3 * CHUNK + 50, false, |i, words| {
+            seen.push((i, words.map(|ws| (ws.len(), ws[1.min(ws.len() - 1)].load(Ordering::Relaxed)))));
+            true
+        });
+        assert_eq!(seen, vec![(CHUNK - 2, None), (CHUNK, Some((CHUNK, 9))), (2 * CHUNK, None)]);
+        assert_eq!(w.chunks_made(), 1, "reading makes nothing");
+        let mut calls = 0;
+        w.slices(0, 3 * CHUNK, true, |_, words| {
+            calls += 1;
+            words.is_some() && calls < 2
+        });
+        assert_eq!((calls, w.chunks_made()), (2, 2), "made when asked, and stopped when told");
     }
 }

@@ -68,17 +68,11 @@ impl PoolInner {
     /// Take the blocks of every thread cache whose owner is not inside an operation (the
     /// calling thread's own included: it is not inside one); with `only_idle`, only of
     /// those whose owner made no operation since the last such look ([`CacheShared::idle`]).
-    /// Returns the blocks taken.
+    /// Returns the blocks taken and the caches looked at that could not be taken from (their
+    /// owner, or another thief, was inside).
     ///
     /// [`CacheShared::idle`]: crate::cache::thread::CacheShared::idle
-    pub(crate) fn steal_idle_caches(&self, only_idle: bool) -> u64 {
-        self.steal_caches(only_idle).0
-    }
-
-    /// [`PoolInner::steal_idle_caches`], also counting the caches looked at that could not
-    /// be taken from (their owner, or another thief, was inside): (blocks taken, caches
-    /// missed).
-    fn steal_caches(&self, only_idle: bool) -> (u64, usize) {
+    pub(crate) fn steal_idle_caches(&self, only_idle: bool) -> (u64, usize) {
         let guard = epoch::pin();
         let (mut taken, mut missed) = (0, 0);
         for (shared, st) in self.caches.load().iter() {
@@ -154,7 +148,7 @@ impl PoolInner {
         // Short of the last rung, working threads keep their caches: taking them makes every
         // thread miss in turn, each miss taking the others' (measured on an H200: 16 threads
         // ran at a hundredth of their throughput).
-        let stolen = self.steal_idle_caches(!all);
+        let (stolen, _) = self.steal_idle_caches(!all);
         if stolen > 0 {
             Counters::bump(&self.counters.ladder_steals, 1);
         }
@@ -301,7 +295,7 @@ impl PoolInner {
         // Python's does, and CI once saw `vrampool_empty_cache` leave 10 MiB cached so). So
         // trim looks again, for a few milliseconds at most, before the depots are flushed.
         for _ in 0..TRIM_STEAL_ROUNDS {
-            if self.steal_caches(false).1 == 0 {
+            if self.steal_idle_caches(false).1 == 0 {
                 break;
             }
             std::thread::sleep(std::time::Duration::from_micros(100));

@@ -87,8 +87,8 @@ pub(crate) struct ThreadCache {
     growing: Cell<bool>,
     /// Whether the pool grows, as this cache sees it.
     growth: GrowthWatch,
-    /// The pool's `grew` count this cache last acted on.
-    grew_seen: Cell<u64>,
+    /// The pool's `shed_peak` this cache last acted on.
+    shed_seen: Cell<u64>,
 }
 
 /// Whether a pool is growing, from the bytes out of its space as one cache sees them at its
@@ -141,7 +141,7 @@ impl ThreadCache {
             near: Cell::new(pool.near_limit()),
             growing: Cell::new(true),
             growth: GrowthWatch::new(pool.space_held()),
-            grew_seen: Cell::new(pool.grew.load(Ordering::Acquire)),
+            shed_seen: Cell::new(pool.shed_peak.load(Ordering::Acquire)),
         };
         tc.set_reach();
         tc
@@ -280,11 +280,11 @@ impl ThreadCache {
     /// instead of mapping more. Done by the owner itself, on its own slow path: no thief,
     /// no barrier.
     fn shed_if_grew(&self) {
-        let grew = self.pool.grew.load(Ordering::Acquire);
-        if grew == self.grew_seen.get() {
+        let asked = self.pool.shed_peak.load(Ordering::Acquire);
+        if asked == self.shed_seen.get() {
             return;
         }
-        self.grew_seen.set(grew);
+        self.shed_seen.set(asked);
         if self.shared.counters.cached_bytes.load(Ordering::Relaxed) <= SHED_KEEP {
             return;
         }

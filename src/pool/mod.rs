@@ -238,12 +238,10 @@ pub(crate) struct PoolInner {
     /// otherwise evict it from every core's cache at each write.
     pub(crate) hot: CachePadded<Hot>,
     space: CachePadded<Space>,
-    /// Bumped each time the pool's peak rises by a growth step (ladder rung 7): thread caches
-    /// see it at their owners' next slow path and give back what they hold beyond their
-    /// keep (`local`).
-    pub(crate) grew: AtomicU64,
-    /// The peak when `grew` was last bumped.
-    shed_peak: AtomicU64,
+    /// The peak at which thread caches were last asked to give back their excess: it moves
+    /// when the peak rises by a growth step (ladder rung 7), and each cache, seeing it moved
+    /// at its owner's next slow path, gives back what it holds beyond its keep (`local`).
+    pub(crate) shed_peak: AtomicU64,
     pages: CachePadded<PageMap>,
     /// The bound on every cache together.
     pub(crate) cache_budget: crate::sync::Arc<Budget>,
@@ -349,7 +347,6 @@ impl Pool {
             cross: cross::CrossQueue::default(),
             deferred_cross: crate::reclaim::Stack::new(),
             counters: CachePadded::new(Counters::default()),
-            grew: AtomicU64::new(0),
             shed_peak: AtomicU64::new(0),
             sites,
         });

@@ -65,9 +65,9 @@ const MAX_PAGES: u64 = 1 << 30;
 
 /// Pages taken off a counter by one call, subtracted when the call is done (on every path
 /// out of it, failures included, so the pages its failure gives back are not counted twice).
-struct Tally<'a>(&'a AtomicU64, std::cell::Cell<u64>);
+struct TakenOff<'a>(&'a AtomicU64, std::cell::Cell<u64>);
 
-impl Drop for Tally<'_> {
+impl Drop for TakenOff<'_> {
     fn drop(&mut self) {
         let n = self.1.get();
         if n > 0 {
@@ -234,7 +234,7 @@ impl PageMap {
         };
         // Free mapped pages this call took a first reference on, counted off `free_mapped`
         // once, when the call returns (one shared write, not one per page of a large block).
-        let took_free = Tally(&self.free_mapped, std::cell::Cell::new(0));
+        let took_free = TakenOff(&self.free_mapped, std::cell::Cell::new(0));
         // Pages this call holds in MAPPING, not yet mapped: `run.0 .. run.0 + run.1`.
         let mut run: Option<(usize, usize)> = None;
         let fail = |run: Option<(usize, usize)>, e: Acquire| {
