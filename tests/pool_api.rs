@@ -239,6 +239,37 @@ fn near_its_limit_a_miss_takes_the_bytes_asked_not_its_class() {
 }
 
 #[test]
+fn at_its_limit_a_small_request_with_no_chunk_to_be_had_takes_a_gap_between_large_blocks() {
+    const MIB: usize = 1 << 20;
+    let dev = SimDevice::new(256 << 20);
+    let config = PoolConfig { max_reserved: Some(16 << 20), ..PoolConfig::default() };
+    let pool = Pool::new(dev.clone(), config).unwrap();
+    let (s, other) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    // Every page mapped and half used: 1 MiB gaps, none a whole page, so no stream can have
+    // a chunk for small blocks.
+    let mut large: Vec<Block> = (0..16).map(|_| pool.alloc(MIB, &s).unwrap()).collect();
+    assert_eq!(pool.stats().reserved_bytes, 16 << 20);
+    let gaps: Vec<(u64, u64)> =
+        large.iter().step_by(2).map(|b| (b.device_ptr(), b.device_ptr() + MIB as u64)).collect();
+    let mut i = 0;
+    large.retain(|_| {
+        i += 1;
+        i % 2 == 0
+    });
+    for stream in [&s, &other] {
+        let small = pool.alloc(300_000, stream).expect("a gap holds it");
+        let at = small.device_ptr();
+        assert!(gaps.iter().any(|&(lo, hi)| lo <= at && at + 300_000 <= hi), "{at:#x} lies in a gap");
+        dev.memset(at, 0xa5, 300_000, stream).unwrap();
+        assert_eq!(pool.stats().reserved_bytes, 16 << 20, "nothing mapped past the limit");
+        drop(small);
+        pool.check().unwrap();
+    }
+    drop(large);
+    all_given_back(&pool);
+}
+
+#[test]
 fn when_the_peak_rises_a_busy_threads_cache_gives_back_its_excess_at_its_next_miss() {
     // A worker fills its cache with ~74 MiB of freed blocks (four each of eight classes
     // between 1 and 3.6 MiB), then keeps working on hits, so no thief takes its cache. The

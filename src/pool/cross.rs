@@ -1,11 +1,12 @@
 //! The queue of blocks used on several streams (`record_stream`), each behind one event per
-//! stream it was used on, in two lanes: large blocks and small ones.
+//! stream it was used on, in two lanes: blocks in the extents (large ones, and small ones
+//! placed there at the limit) and blocks in streams' chunks.
 //!
 //! Why two: rung 6 of the ladder may take such a block before its events complete, with the
 //! requesting stream made to wait on them, only if the block's memory goes back where that
-//! stream's wait covers every later user. A large block goes back to the extents as the
-//! taker's own free, so any stream may take any large block; a small one goes back to the
-//! chunk's stream, so only that stream may. Taking is oldest first and stops at the first
+//! stream's wait covers every later user. A block of the extents goes back there as the
+//! taker's own free, so any stream may take it; one of a chunk goes back to the chunk's
+//! stream, so only that stream may. Taking is oldest first and stops at the first
 //! batch the taker may not have: in one queue, a small block of another stream at the front
 //! held every large block behind it (the demo grew its peak with 127 MiB retiring behind
 //! one). In lanes, the large lane never blocks, and each lane stays oldest first.

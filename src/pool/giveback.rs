@@ -196,8 +196,9 @@ impl PoolInner {
     /// their events are seen complete, with `st`'s stream made to wait on each of their
     /// events on the device; their memory goes back as if `st` had freed it (its fence), so
     /// `st` reuses it at once and other streams only after `st`'s next event, which follows
-    /// the waits. Only blocks that are large or lie in a chunk `st` holds: a small block goes
-    /// back to its chunk's stream, which did not wait. Takes batches, large ones first, until
+    /// the waits. Only blocks that lie in the extents (large ones, and small ones placed there
+    /// at the limit) or in a chunk `st` holds: a small block goes back to its chunk's
+    /// stream, which did not wait. Takes batches, large ones first, until
     /// `target` bytes have gone or the oldest of each lane cannot go (`super::cross`);
     /// returns whether any went.
     pub(crate) fn take_retiring(&self, st: &StreamState, target: u64) -> bool {
@@ -210,7 +211,7 @@ impl PoolInner {
         let mut take = |batch: &crate::reclaim::Batch<Vec<crate::device::Event>>| {
             let mut mine = true;
             batch.for_each_span(|s| {
-                mine &= self.space.is_large(s.size) || self.space.owner(s.addr).is_some_and(|(slot, _)| slot == st.slot)
+                mine &= self.space.is_large(s.size) || self.space.owner(s.addr).is_none_or(|(slot, _)| slot == st.slot)
             });
             // The broken guard (a test switch) lets the memory cross unguarded.
             mine && (broken
@@ -350,7 +351,7 @@ impl PoolInner {
             Counters::bump(&self.counters.events_recorded, 1);
             events.push(ev);
         }
-        let lane = if self.space.is_large(span.size) { Lane::Large } else { Lane::Small };
+        let lane = if self.in_extents(span) { Lane::Large } else { Lane::Small };
         self.cross.queue(lane, events, span, &epoch::pin());
         Ok(())
     }

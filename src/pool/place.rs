@@ -22,11 +22,14 @@
 //! that need them. In the near-limit stress (`tests/near_limit.rs`) the brim case, which
 //! lives at its limit, refused 5,399–5,607 requests at or below 95% of the limit in four
 //! runs with first fit, 4,400–4,677 in three with the placements that may map scored, and
-//! 4,200–4,234 in three with every large placement scored.
+//! 4,200–4,234 in three with every large placement scored. And a small block that its
+//! stream's chunks cannot hold, when no free page-sized run is left for a chunk, takes a
+//! run of the extents like a large block (at whole granules) rather than fail: at the limit
+//! the free memory is mostly the gaps between large blocks.
 //!
 //! A freed block goes back at once: a small one to its stream's arena (whole chunks beyond a
-//! few go back to the space), a large one to the space with its stream's fence on every
-//! granule. No event, no batch, no device call: frees inside host functions and thread-local
+//! few go back to the space), a large one (or a small one that no stream's chunk holds) to
+//! the space with its stream's fence on every granule. No event, no batch, no device call: frees inside host functions and thread-local
 //! destructors take this path too.
 
 use std::sync::Arc;
@@ -34,7 +37,7 @@ use std::sync::Arc;
 use super::streams::Registry;
 use super::{PoolInner, StreamState};
 use crate::arena::pages::{Backing, Mapper};
-use crate::arena::{fence_parts, fence_word, Acquire, CHUNK};
+use crate::arena::{fence_parts, fence_word, Acquire, CHUNK, GRANULE};
 use crate::error::{Error, OutOfMemory, Result};
 use crate::reclaim::Span;
 use crate::stats::Counters;
@@ -238,12 +241,37 @@ impl PoolInner {
             if let Some(a) = st.arena.alloc(size) {
                 return Ok(Some(a));
             }
-            let Some(chunk) = self.claim_extent(st, CHUNK, true, mode)? else { return Ok(None) };
+            let Some(chunk) = self.claim_extent(st, CHUNK, true, mode)? else {
+                return self.place_small_in_extents(st, size, mode);
+            };
             if !self.adopt_chunk(st, chunk) {
                 return Ok(None);
             }
         }
         Ok(st.arena.alloc(size))
+    }
+
+    /// Near the limit, a small block its stream's chunks cannot hold when no chunk can be
+    /// had either: a run of the space, as a large block, at whole granules. A chunk needs a
+    /// free page-sized run, which a full pool seldom has; the pieces between large blocks,
+    /// shorter than a page, are what it has left (in the near-limit stress, 25–50 MiB of
+    /// them when half-megabyte requests were refused). Only as a last resort: small blocks
+    /// sent there first (from 64 KiB up, near the limit) cut the runs large blocks need and
+    /// doubled that stress's refusals. Never away from the limit, where the pool may still
+    /// map a page for a chunk. Such a block is told from a chunk's by its address: no stream
+    /// owns it ([`PoolInner::in_extents`]).
+    fn place_small_in_extents(&self, st: &StreamState, size: u64, mode: Mode) -> Result<Option<u64>> {
+        if !self.near_limit() {
+            return Ok(None);
+        }
+        self.claim_extent(st, size.next_multiple_of(GRANULE), false, mode)
+    }
+
+    /// Whether a block lies in the space's extents rather than in a stream's chunk: every
+    /// large block, and a small one placed there near the limit
+    /// ([`PoolInner::place_small_in_extents`]), which spans its size in whole granules.
+    pub(crate) fn in_extents(&self, span: Span) -> bool {
+        self.space.is_large(span.size) || self.space.owner(span.addr).is_none()
     }
 
     /// A run of the space for `st` (a large block of `size` bytes, or a chunk), its pages
@@ -518,7 +546,7 @@ impl PoolInner {
         if self.space.is_large(span.size) {
             self.free_extent(span.addr, span.size, fence_word(st.slot, st.fence.stamp()));
         } else {
-            self.release_small(Some(st), span);
+            self.release_small(Some(st), span, fence_word(st.slot, st.fence.stamp()));
         }
         // After the stamp: an event recorded now covers this free.
         self.note_free(st, span.size);
@@ -530,15 +558,16 @@ impl PoolInner {
         if self.space.is_large(span.size) {
             self.free_extent(span.addr, span.size, 0);
         } else {
-            self.release_small(None, span);
+            self.release_small(None, span, 0);
         }
     }
 
     /// A small block back to the arena of the stream that holds its chunk (`st`, when the
-    /// caller knows it).
-    fn release_small(&self, st: Option<&StreamState>, span: Span) {
+    /// caller knows it), or, placed in the extents near the limit (no stream owns its
+    /// address), back there with `fence` on its granules.
+    fn release_small(&self, st: Option<&StreamState>, span: Span, fence: u64) {
         let Some((slot, idx)) = self.space.owner(span.addr) else {
-            debug_assert!(false, "{:#x} lies in no stream's chunk", span.addr);
+            self.free_extent(span.addr, span.size.next_multiple_of(GRANULE), fence);
             return;
         };
         let held;
