@@ -256,9 +256,9 @@ impl PoolInner {
     /// free page-sized run, which a full pool seldom has; the pieces between large blocks,
     /// shorter than a page, are what it has left (in the near-limit stress, 25–50 MiB of
     /// them when half-megabyte requests were refused). Only as a last resort: small blocks
-    /// sent there first (from 64 KiB up, near the limit) cut the runs large blocks need and
-    /// doubled that stress's refusals. Never away from the limit, where the pool may still
-    /// map a page for a chunk. Such a block is told from a chunk's by its address: no stream
+    /// sent there first (from 64 KiB up, near the limit) lie among the large ones, and that
+    /// stress refused no fewer requests. Never away from the limit, where the pool may
+    /// still map a page for a chunk. Such a block is told from a chunk's by its address: no stream
     /// owns it ([`PoolInner::in_extents`]).
     fn place_small_in_extents(&self, st: &StreamState, size: u64, mode: Mode) -> Result<Option<u64>> {
         if !self.near_limit() {
