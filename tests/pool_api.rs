@@ -261,7 +261,10 @@ fn at_its_limit_a_small_request_with_no_chunk_to_be_had_takes_a_gap_between_larg
         let at = small.device_ptr();
         assert!(gaps.iter().any(|&(lo, hi)| lo <= at && at + 300_000 <= hi), "{at:#x} lies in a gap");
         dev.memset(at, 0xa5, 300_000, stream).unwrap();
-        assert_eq!(pool.stats().reserved_bytes, 16 << 20, "nothing mapped past the limit");
+        assert_eq!(small.capacity(), 5 << 16, "whole 64 KiB granules, as the space holds it");
+        let st = pool.stats();
+        assert_eq!(st.reserved_bytes, 16 << 20, "nothing mapped past the limit");
+        assert_eq!(st.allocated_bytes, 8 * MIB as u64 + (5 << 16), "allocated: the live blocks' capacities");
         drop(small);
         pool.check().unwrap();
     }

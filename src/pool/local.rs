@@ -217,8 +217,7 @@ impl ThreadCache {
             // (lowest 0.667).
             return self.pool.alloc_uncached(bytes, &self.stream, Some(self), site);
         }
-        let addr = pool.alloc_miss(size, bytes, &self.stream, Some(self))?;
-        Ok(Placed::cached(addr, size, class))
+        pool.alloc_miss(class, size, bytes, &self.stream, Some(self))
     }
 
     /// A block for `class` from this cache or its stream's depot, with the class it came

@@ -480,6 +480,7 @@ impl PoolInner {
         let Some(size) = size else { return Err(Error::TooLarge { requested: bytes as u64, limit }) };
         self.refuse_capture(st)?;
         let addr = self.alloc_arena(size, bytes, st, own)?;
+        let size = self.held_size(addr, size);
         self.counters.on_alloc();
         if let Some(t) = &self.sites {
             t.insert(addr, sites::Site { bytes: bytes as u64, size, stream: st.stream.id(), at: site });
@@ -489,13 +490,16 @@ impl PoolInner {
 
     /// A cached class missed T0 and T1: the arena (through the ladder) serves a block of the
     /// class's size; it is counted in the thread cache's counters by the caller's block.
+    /// A block that landed in the extents at whole granules past the class's size (a small
+    /// one at the limit, see [`PoolInner::held_size`]) is no block of the class: uncached.
     pub(crate) fn alloc_miss(
         &self,
+        class: usize,
         size: u64,
         bytes: usize,
         st: &Arc<StreamState>,
         own: Option<&local::ThreadCache>,
-    ) -> Result<u64> {
+    ) -> Result<Placed> {
         let limit = self.max_reserved.min(self.space.len() / 2);
         if size > limit {
             return Err(Error::TooLarge { requested: bytes as u64, limit });
@@ -509,7 +513,19 @@ impl PoolInner {
         } else {
             self.counters.on_alloc();
         }
-        Ok(addr)
+        let held = self.held_size(addr, size);
+        Ok(if held == size { Placed::cached(addr, size, class) } else { Placed::uncached(addr, held) })
+    }
+
+    /// The bytes a placement of `size` at `addr` holds: `size`, or, for a small block that
+    /// landed in the extents (at the limit, `place_small_in_extents`), its whole granules,
+    /// so that the block's capacity is what the space counts as held.
+    fn held_size(&self, addr: u64, size: u64) -> u64 {
+        if self.space.is_large(size) || self.space.owner(addr).is_some() {
+            size
+        } else {
+            size.next_multiple_of(crate::arena::GRANULE)
+        }
     }
 
     /// Memory handed out during capture would be used whenever the graph replays; it is
