@@ -35,7 +35,9 @@
 //!    everything idle is reclaimed again, free pages are unmapped, and the request tried
 //!    with mapping; repeated while a round released something (at most [`LAST_ROUNDS`]):
 //!    at the limit, what the request needs is what other threads free meanwhile.
-//! 9. [`Error::OutOfMemory`], with the figures.
+//! 9. **A gap for a small request**: near the limit, a small block that no chunk can hold
+//!    takes a run between large blocks, at whole 64 KiB granules (module `place`).
+//! 10. [`Error::OutOfMemory`], with the figures.
 
 use super::local;
 use super::place::{Mapping, Mode, Reuse};
@@ -49,6 +51,9 @@ use crate::sync::atomic::Ordering;
 pub(crate) const LAST_ROUNDS: usize = 8;
 
 impl PoolInner {
+    /// What the last rungs may take: memory ready for the stream, mapping up to the limit.
+    const ALLOWED: Mode = Mode { reuse: Reuse::Ready, mapping: Mapping::Allowed };
+
     /// Place `size` bytes for `st`, climbing the ladder as far as it must; the time it
     /// takes is counted in `Stats::ladder_ns`.
     pub(crate) fn alloc_arena(
@@ -124,8 +129,7 @@ impl PoolInner {
             let released = self.reclaim_held(true);
             self.unmap_lent();
             self.unmap_free(0);
-            let allowed = Mode { reuse: Reuse::Ready, mapping: Mapping::Allowed };
-            if let Some(a) = self.place(st, size, allowed)? {
+            if let Some(a) = self.place(st, size, Self::ALLOWED)? {
                 return Ok(a);
             }
             if !(waited || released) {
@@ -133,7 +137,12 @@ impl PoolInner {
             }
         }
         // 9.
-        tracing::debug!("rung 9: out of memory");
+        if let Some(a) = self.place_small_in_extents(st, size, Self::ALLOWED)? {
+            tracing::debug!(size, stream = st.stream.id(), "rung 9: a small block in a gap of the extents");
+            return Ok(a);
+        }
+        // 10.
+        tracing::debug!("rung 10: out of memory");
         Counters::bump(&self.counters.ooms, 1);
         let s = self.stats();
         Err(Error::OutOfMemory(Box::new(OutOfMemory {

@@ -22,10 +22,10 @@
 //! that need them. In the near-limit stress (`tests/near_limit.rs`) the brim case, which
 //! lives at its limit, refused 5,399–5,607 requests at or below 95% of the limit in four
 //! runs with first fit, 4,400–4,677 in three with the placements that may map scored, and
-//! 4,200–4,234 in three with every large placement scored. And a small block that its
-//! stream's chunks cannot hold, when no free page-sized run is left for a chunk, takes a
-//! run of the extents like a large block (at whole granules) rather than fail: at the limit
-//! the free memory is mostly the gaps between large blocks.
+//! 4,200–4,234 in three with every large placement scored. And, as the ladder's last step,
+//! a small block that its stream's chunks cannot hold, when no free page-sized run is left
+//! for a chunk, takes a run of the extents like a large block (at whole granules) rather
+//! than fail: at the limit the free memory is mostly the gaps between large blocks.
 //!
 //! A freed block goes back at once: a small one to its stream's arena (whole chunks beyond a
 //! few go back to the space), a large one (or a small one that no stream's chunk holds) to
@@ -241,9 +241,7 @@ impl PoolInner {
             if let Some(a) = st.arena.alloc(size) {
                 return Ok(Some(a));
             }
-            let Some(chunk) = self.claim_extent(st, CHUNK, true, mode)? else {
-                return self.place_small_in_extents(st, size, mode);
-            };
+            let Some(chunk) = self.claim_extent(st, CHUNK, true, mode)? else { return Ok(None) };
             if !self.adopt_chunk(st, chunk) {
                 return Ok(None);
             }
@@ -251,17 +249,18 @@ impl PoolInner {
         Ok(st.arena.alloc(size))
     }
 
-    /// Near the limit, a small block its stream's chunks cannot hold when no chunk can be
-    /// had either: a run of the space, as a large block, at whole granules. A chunk needs a
-    /// free page-sized run, which a full pool seldom has; the pieces between large blocks,
-    /// shorter than a page, are what it has left (in the near-limit stress, 25–50 MiB of
-    /// them when half-megabyte requests were refused). Only as a last resort: small blocks
-    /// sent there first (from 64 KiB up, near the limit) lie among the large ones, and that
-    /// stress refused no fewer requests. Never away from the limit, where the pool may
-    /// still map a page for a chunk. Such a block is told from a chunk's by its address: no stream
+    /// The ladder's last resort for a small block near the limit, when neither its stream's
+    /// chunks nor a new chunk can hold it: a run of the space, as a large block, at whole
+    /// granules. A chunk needs a free page-sized run, which a full pool seldom has; the
+    /// pieces between large blocks, shorter than a page, are what it has left (in the
+    /// near-limit stress, 25–50 MiB of them when half-megabyte requests were refused). Only
+    /// last: the rungs before may free a chunk for it, and a small block among the large
+    /// ones cuts the runs they need (sent there first, from 64 KiB up, small blocks made that
+    /// stress refuse no fewer requests). Never away from the limit, where the pool may still
+    /// map a page for a chunk. Such a block is told from a chunk's by its address: no stream
     /// owns it ([`PoolInner::in_extents`]).
-    fn place_small_in_extents(&self, st: &StreamState, size: u64, mode: Mode) -> Result<Option<u64>> {
-        if !self.near_limit() {
+    pub(crate) fn place_small_in_extents(&self, st: &StreamState, size: u64, mode: Mode) -> Result<Option<u64>> {
+        if self.space.is_large(size) || !self.near_limit() {
             return Ok(None);
         }
         self.claim_extent(st, size.next_multiple_of(GRANULE), false, mode)
