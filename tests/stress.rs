@@ -110,6 +110,11 @@ impl Churn {
         self.early_exits && matches!(me % 8, 3 | 4)
     }
 
+    /// Whether `me` trims the pool midway.
+    fn trims(&self, me: usize) -> bool {
+        self.midway && me == Self::TRIMMER
+    }
+
     /// The thread that trims midway, and the two that flush their caches: 6 allocates through
     /// `pool.alloc`, 8 through a `StreamCache` (whose handle keeps its cache alive across the
     /// flush: that cache is not emptied, and the thread's frees then go to a second cache for
@@ -492,7 +497,7 @@ impl World {
         if !self.churn.midway {
             return;
         }
-        if me == Churn::TRIMMER {
+        if self.churn.trims(me) {
             let t = Instant::now();
             if let Err(e) = self.pool.trim() {
                 self.shadow.error(format!("trim midway: {e}"));
@@ -533,7 +538,10 @@ fn stress(run: Run) -> Outcome {
         lag: run.lag,
         sizes: run.sizes,
         churn: run.churn,
-        receivers: (0..run.threads).filter(|&me| !run.churn.exits_early(me)).collect(),
+        // Not the trimmer either: a trim waits for every stream's work so far, which on a
+        // busy 2-core machine took seconds, and the blocks other threads handed it meanwhile
+        // (up to 150 MiB) sat in its inbox, live, until the pool ran out.
+        receivers: (0..run.threads).filter(|&me| !(run.churn.exits_early(me) || run.churn.trims(me))).collect(),
         backlog: (0..run.streams).map(|_| Arc::new(AtomicU64::new(0))).collect(),
         allocs: AtomicU64::new(0),
         frees: AtomicU64::new(0),
