@@ -310,9 +310,15 @@ impl PoolInner {
             // Pages go only once no stream's work can touch them: wait for every stream's
             // work up to now, and every batch of blocks used on several streams.
             self.host_wait(|_| true);
+            // The batches queued before now, oldest first, each wait releasing at least one:
+            // as many waits as there were batches, so that a trim among threads that keep
+            // queueing (`record_stream` blocks of busy workers) does not chase their batches
+            // for as long as they run.
             let guard = epoch::pin();
-            while self.cross.has_pending(&guard) {
-                if !self.host_wait(|_| false) {
+            let mut queued = 0usize;
+            self.cross.for_each_span(|_| queued += 1, &guard);
+            for _ in 0..queued {
+                if !self.cross.has_pending(&guard) || !self.host_wait(|_| false) {
                     break;
                 }
             }
