@@ -197,10 +197,9 @@ impl PoolInner {
     /// events on the device; their memory goes back as if `st` had freed it (its fence), so
     /// `st` reuses it at once and other streams only after `st`'s next event, which follows
     /// the waits. Only blocks that lie in the extents (large ones, and small ones placed there
-    /// at the limit) or in a chunk `st` holds: a small block goes back to its chunk's
-    /// stream, which did not wait. Takes batches, large ones first, until
-    /// `target` bytes have gone or the oldest of each lane cannot go (`super::cross`);
-    /// returns whether any went.
+    /// at the limit) or in a chunk `st` holds: a small block goes back to its chunk's stream,
+    /// which did not wait. Takes batches, large ones first, until `target` bytes have gone or
+    /// the oldest of each lane cannot go (`super::cross`); returns whether any went.
     pub(crate) fn take_retiring(&self, st: &StreamState, target: u64) -> bool {
         let dev = &self.device;
         if self.cross.pending_bytes() == 0 || dev.is_capturing(&st.stream).unwrap_or(true) {

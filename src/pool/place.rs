@@ -29,8 +29,8 @@
 //!
 //! A freed block goes back at once: a small one to its stream's arena (whole chunks beyond a
 //! few go back to the space), a large one (or a small one that no stream's chunk holds) to
-//! the space with its stream's fence on every granule. No event, no batch, no device call: frees inside host functions and thread-local
-//! destructors take this path too.
+//! the space with its stream's fence on every granule. No event, no batch, no device call:
+//! frees inside host functions and thread-local destructors take this path too.
 
 use std::sync::Arc;
 
