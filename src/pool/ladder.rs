@@ -194,7 +194,7 @@ impl PoolInner {
             }
         }
         let before = self.pages.peak_mapped_bytes();
-        let got = self.place(st, size, Mode { reuse: Reuse::Ready, mapping: Mapping::Allowed })?;
+        let got = self.place(st, size, Self::ALLOWED)?;
         if got.is_some() {
             self.note_growth();
         }

@@ -284,18 +284,12 @@ impl ThreadCache {
             return;
         }
         self.shed_seen.set(asked);
-        if self.shared.counters.cached_bytes.load(Ordering::Relaxed) <= SHED_KEEP {
-            return;
-        }
-        let mut spilled = Vec::new();
-        self.shared.enter_wait();
-        // Read again under the handshake: a thief may have emptied the cache meanwhile.
+        // A thief may take blocks before the flush holds the cache: then it flushes what is
+        // left, down to less than the keep at worst.
         let over = self.shared.counters.cached_bytes.load(Ordering::Relaxed).saturating_sub(SHED_KEEP);
-        // SAFETY: entered above.
-        unsafe { self.shared.drain_some(over, 0..self.pool.hot.classes, |cl, a| spilled.push((cl, a))) };
-        self.shrink_budget();
-        self.shared.exit();
-        self.pool.free_cached(&self.stream, spilled);
+        if over > 0 {
+            self.flush_some(over, 0..self.pool.hot.classes);
+        }
     }
 
     /// Reserve cache budget so that the cache may hold `want` bytes (up to the per-thread

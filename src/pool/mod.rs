@@ -521,10 +521,11 @@ impl PoolInner {
     /// landed in the extents (at the limit, `place_small_in_extents`), its whole granules,
     /// so that the block's capacity is what the space counts as held.
     fn held_size(&self, addr: u64, size: u64) -> u64 {
-        if self.space.is_large(size) || self.space.owner(addr).is_some() {
-            size
-        } else {
+        // A large block's size is whole granules already.
+        if self.in_extents(Span { addr, size }) {
             size.next_multiple_of(crate::arena::GRANULE)
+        } else {
+            size
         }
     }
 

@@ -545,7 +545,7 @@ impl PoolInner {
         if self.space.is_large(span.size) {
             self.free_extent(span.addr, span.size, fence_word(st.slot, st.fence.stamp()));
         } else {
-            self.release_small(Some(st), span, fence_word(st.slot, st.fence.stamp()));
+            self.release_small(Some(st), span);
         }
         // After the stamp: an event recorded now covers this free.
         self.note_free(st, span.size);
@@ -557,16 +557,18 @@ impl PoolInner {
         if self.space.is_large(span.size) {
             self.free_extent(span.addr, span.size, 0);
         } else {
-            self.release_small(None, span, 0);
+            self.release_small(None, span);
         }
     }
 
     /// A small block back to the arena of the stream that holds its chunk (`st`, when the
-    /// caller knows it), or, placed in the extents near the limit (no stream owns its
-    /// address), back there with `fence` on its granules.
-    fn release_small(&self, st: Option<&StreamState>, span: Span, fence: u64) {
+    /// caller knows it, else free for everyone), or, placed in the extents near the limit (no
+    /// stream owns its address, and its size is whole granules), back there as a large block
+    /// goes: with `st`'s fence, stamped only then (a chunk's blocks need none).
+    fn release_small(&self, st: Option<&StreamState>, span: Span) {
         let Some((slot, idx)) = self.space.owner(span.addr) else {
-            self.free_extent(span.addr, span.size.next_multiple_of(GRANULE), fence);
+            let fence = st.map_or(0, |st| fence_word(st.slot, st.fence.stamp()));
+            self.free_extent(span.addr, span.size, fence);
             return;
         };
         let held;

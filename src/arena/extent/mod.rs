@@ -235,6 +235,12 @@ impl Extents {
         1 << self.shift
     }
 
+    /// The granule after the one holding address `bad`: where the next candidate starts once
+    /// `accept` has refused a block for the byte at `bad`.
+    fn granule_past(&self, bad: u64) -> u64 {
+        (bad.saturating_sub(self.base) >> self.shift) + 1
+    }
+
     /// The first address of the range.
     pub fn base(&self) -> u64 {
         self.base
@@ -413,8 +419,6 @@ impl Extents {
         }
         let k = bytes.div_ceil(self.granule());
         let len = k << self.shift;
-        // The granule past the one at `bad`, as the next candidate start.
-        let past = |bad: u64| (bad.saturating_sub(self.base) >> self.shift) + 1;
         let (mut from_zero, mut restart) = (false, None::<u64>);
         // Give-backs of refused blocks made by this call: `changes` moves by these alone
         // when nobody else changed anything.
@@ -426,7 +430,7 @@ impl Extents {
                 fence(Ordering::SeqCst);
             }
             let found = self.first_fit_with(k, align, from_zero, restart, &mut |g| {
-                accept(self.base + (g << self.shift), len).map_err(past)
+                accept(self.base + (g << self.shift), len).map_err(|bad| self.granule_past(bad))
             });
             match found {
                 Fit::At(start) => match self.claim_accepted(start, k, accept) {
@@ -438,7 +442,7 @@ impl Extents {
                     }
                     Err(Some(bad)) => {
                         own += 1;
-                        restart = Some(past(bad).max(start + 1));
+                        restart = Some(self.granule_past(bad).max(start + 1));
                         continue;
                     }
                 },
@@ -487,7 +491,6 @@ impl Extents {
         }
         let k = bytes.div_ceil(self.granule());
         let len = k << self.shift;
-        let past = |bad: u64| (bad.saturating_sub(self.base) >> self.shift) + 1;
         let from = (self.hint.load(Ordering::Acquire) & HINT_INDEX) as usize;
         let mut best: Option<(u64, u64)> = None;
         let mut consider = |c: u64, run: u64, best: &mut Option<(u64, u64)>| {
@@ -505,7 +508,7 @@ impl Extents {
                         consider(c, l, &mut best);
                         break;
                     }
-                    Err(bad) => c = past(bad).max(c + 1),
+                    Err(bad) => c = self.granule_past(bad).max(c + 1),
                 }
             }
             // The untouched rest of the range has no far end worth taking.
