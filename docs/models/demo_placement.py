@@ -21,7 +21,7 @@ an address range of the worker's own, so that one worker's blocks share pages).
 import gzip, os, random, bisect, sys
 P=2<<20; G=64<<10; LARGE=512<<10
 def load_sizes(path):
-    ev=[]; 
+    ev=[]
     for line in gzip.open(path,'rt'):
         if line[0]=='o': continue
         op,i,sz,st=line.strip().split(','); ev.append((op,int(i),int(sz)))
@@ -36,7 +36,7 @@ def cls(n):
     u=(n+255)//256
     if u<=8: return u*256
     k=u.bit_length()-1  # 2^k <= u
-    step=max(1,1<<(k-3)) if k>=3 else 1
+    step=1<<(k-3) if k>=3 else 1
     return (u+step-1)//step*step*256
 def worker(rng, wid):
     """yields ('a',id,size) / ('f',id)"""
@@ -70,7 +70,6 @@ class Space:
     def __init__(s, policy):
         s.policy=policy; s.free=[(0,1<<44)]  # sorted list of (addr,len) runs
         s.pages={}; s.touched=0
-    def runs(s): return s.free
     def take(s,a,n):
         j=bisect.bisect_right(s.free,(a,1<<62))-1; ra,rl=s.free[j]
         assert ra<=a and a+n<=ra+rl
@@ -109,7 +108,6 @@ class Space:
             for c in cands:
                 if pol=='best': key=(l,c)
                 elif pol=='pages': key=(s.newpages(c,n),l,c)
-                elif pol=='pagesfirst': key=(s.newpages(c,n),c)
                 if best is None or key<best[0]: best=(key,c)
         return best[1]
 

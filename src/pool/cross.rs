@@ -92,6 +92,13 @@ impl CrossQueue {
         a || b
     }
 
+    /// Batches waiting in both lanes now: each holds the one block `queue` put in it.
+    pub(crate) fn batches(&self, guard: &Guard) -> usize {
+        let mut n = 0;
+        self.for_each_span(|_| n += 1, guard);
+        n
+    }
+
     /// Visit every span waiting (for checks and snapshots).
     pub(crate) fn for_each_span(&self, mut f: impl FnMut(Span), guard: &Guard) {
         self.large.for_each_span(&mut f, guard);

@@ -314,9 +314,7 @@ impl PoolInner {
             // queueing (`record_stream` blocks of busy workers) does not chase their batches
             // for as long as they run.
             let guard = epoch::pin();
-            let mut queued = 0usize;
-            self.cross.for_each_span(|_| queued += 1, &guard);
-            for _ in 0..queued {
+            for _ in 0..self.cross.batches(&guard) {
                 if !self.cross.has_pending(&guard) || !self.host_wait(|_| false) {
                     break;
                 }
