@@ -1,5 +1,6 @@
 //! loom models of the arena's lock-free protocols: buddy coalescing, allocation racing a
-//! merge, unrelated frees and releases, and the page map's map-once and unmap handshakes.
+//! merge, unrelated frees and releases, the page map's map-once and unmap handshakes, and its
+//! free-page hints for loans.
 //!
 //! Tiny configurations (a 1 KiB arena: four 256 B leaves, orders 8..=10; page maps of one or
 //! two pages) and two threads, so each model runs in seconds at `LOOM_MAX_PREEMPTIONS=3`:
@@ -248,6 +249,52 @@ fn releases_race_and_needs_map_rolls_back() {
         assert_eq!(m.free_mapped_pages(), 1);
         assert_eq!(m.unmap_free(0, &mut |a, _, _| d.unmap(a)), PAGE);
         assert_eq!(m.mapped_bytes(), 0);
+    });
+}
+
+/// The pages a lender is offered: a lend towards `target` whose judge refuses every page,
+/// so it only walks the free-page hints (cleaning stale ones) and changes nothing else.
+fn offered(m: &PageMap, target: u64) -> Vec<u64> {
+    let mut seen = vec![];
+    let lent = m.lend(
+        target,
+        PAGE as usize,
+        &mut |from, _| {
+            seen.push(from);
+            false
+        },
+        &mut |_, _, _| Ok(()),
+    );
+    assert!(!lent, "the judge refused every page");
+    seen
+}
+
+/// A page is freed while a lender walks the free-page hints and finds that page's hint stale
+/// (it was freed once, then taken again): the lender drops the hint, then looks at the page
+/// again. Whatever the interleaving, the free page keeps a hint, so the next loan is offered
+/// it. (Without the second look, the lender's clear can land after the free's set and the
+/// page is lost to loans.)
+#[test]
+fn a_page_freed_while_a_lender_drops_its_stale_hint_stays_offered() {
+    loom::model(|| {
+        let m = Arc::new(PageMap::new(0, 2 * PAGE, PAGE).unwrap());
+        let d = Arc::new(Device::new());
+        m.acquire(0, 256, true, &mut |a, _| d.map(a).map(|()| Backing::Fresh)).unwrap();
+        assert!(m.release(0, 256));
+        // Taken again: its hint is now stale.
+        m.acquire(0, 256, true, &mut |a, _| d.map(a).map(|()| Backing::Fresh)).unwrap();
+        // Page 1 is free too, so that the lender looks at all (it never lends a page to
+        // itself: page 1 is the target).
+        m.acquire(PAGE, 256, true, &mut |a, _| d.map(a).map(|()| Backing::Fresh)).unwrap();
+        assert!(m.release(PAGE, 256));
+        let m1 = m.clone();
+        let t = thread::spawn(move || {
+            assert!(m1.release(0, 256));
+        });
+        offered(&m, PAGE);
+        t.join().unwrap();
+        assert_eq!(m.free_mapped_pages(), 2);
+        assert_eq!(offered(&m, PAGE), [0], "the free page lost its hint");
     });
 }
 

@@ -230,6 +230,21 @@ impl HBitmap {
         Some(SetOutcome { was_set: old & bit != 0, buddy_was_set: old & buddy != 0 })
     }
 
+    /// Add the indices `word * 64 + b` for every bit `b` of `mask` (one leaf word's worth,
+    /// in one RMW), then set the hints above them. False, with nothing changed, when `mask`
+    /// is empty or reaches past the end.
+    pub fn set_word(&self, word: usize, mask: u64) -> bool {
+        let Some(first) = word.checked_mul(64) else { return false };
+        if mask == 0 || first + (63 - mask.leading_zeros() as usize) >= self.n {
+            return false;
+        }
+        let mut path = [(&self.root, 0usize); MAX_HEIGHT + 1];
+        let Some((w, depth)) = self.descend(first, true, &mut path) else { return false };
+        w.fetch_or(mask, Ordering::AcqRel);
+        Self::mark_up(&path[..depth]);
+        true
+    }
+
     /// Remove `i`; true if this call removed it (it was set).
     pub fn try_clear(&self, i: usize) -> bool {
         if i >= self.n {
@@ -477,6 +492,24 @@ mod tests {
         assert_eq!(b.find_first_set(), Some(60_000));
         // The stale hint for word 0 is gone from the root's leaf node.
         assert_eq!(b.root.summary.load(Ordering::Acquire).trailing_zeros(), (60_000 >> 12) as u32);
+    }
+
+    #[test]
+    fn a_word_of_bits_is_set_at_once_and_found_through_the_hints() {
+        let b = HBitmap::new(10_000);
+        assert!(b.set_word(100, 0b1010));
+        assert!(b.contains(6401) && b.contains(6403) && !b.contains(6400));
+        assert_eq!(b.find_first_set(), Some(6401));
+        assert!(!b.set_word(100, 0), "an empty mask");
+        assert!(!b.set_word(156, 1 << 16), "bit 10,000 is past the end");
+        assert!(b.set_word(156, 1 << 15), "bit 9,999 is the last");
+        assert!(!b.set_word(usize::MAX, 1));
+        let mut got = vec![];
+        b.walk(&mut |i| {
+            got.push(i);
+            true
+        });
+        assert_eq!(got, [6401, 6403, 9999]);
     }
 
     #[test]

@@ -33,10 +33,53 @@
 
 use super::*;
 
+/// Free-page hints of pages freed together, gathered one bitmap word at a time (pages in
+/// increasing order): a large block's free sets them in one RMW per 64 pages, not one each.
+#[derive(Default)]
+pub(super) struct HintWord {
+    /// The bitmap word and the bits gathered for it.
+    pending: Option<(usize, u64)>,
+}
+
+impl HintWord {
+    /// Page `p` was just left free.
+    pub(super) fn add(&mut self, m: &PageMap, p: usize) {
+        let bit = m.hint_bit(p);
+        let (word, b) = (bit / 64, 1u64 << (bit % 64));
+        match &mut self.pending {
+            Some((w, mask)) if *w == word => *mask |= b,
+            _ => {
+                self.flush(m);
+                self.pending = Some((word, b));
+            }
+        }
+    }
+
+    /// Set the bits gathered so far.
+    pub(super) fn flush(&mut self, m: &PageMap) {
+        if let Some((word, mask)) = self.pending.take() {
+            m.free_hint.set_word(word, mask);
+        }
+    }
+}
+
 impl PageMap {
     /// Pages `LENT` now.
     pub fn lent_pages(&self) -> u64 {
         self.lent.load(Ordering::Acquire)
+    }
+
+    /// The free-page hint bit of page `p`, and the page of bit `p` (the map is its own
+    /// inverse): the highest page is bit 0, so that the walk of [`PageMap::lend`] meets the
+    /// highest pages first.
+    fn hint_bit(&self, p: usize) -> usize {
+        self.words.len() - 1 - p
+    }
+
+    /// Say that page `p` may be free now (its word says `MAPPED` with count 0): called after
+    /// the write that made it so.
+    pub(super) fn hint_free(&self, p: usize) {
+        self.free_hint.set(self.hint_bit(p));
     }
 
     /// The page index (+1) whose blocks use the memory page `q` shows.
@@ -75,26 +118,36 @@ impl PageMap {
         if target != last || len as u64 != page || self.free_mapped_pages() == 0 {
             return false;
         }
-        let mut p = self.words.len();
-        while p > 0 {
-            p -= 1;
-            let Some(w) = self.word(p, false) else {
-                p -= p % CHUNK;
-                continue;
-            };
-            // A run of one page, mapped, with count 0.
-            let single = self.word(p + 1, false).is_none_or(|w| w.load(Ordering::Acquire) & CONT == 0);
-            if w.load(Ordering::Acquire) != MAPPED || !single || p == target {
-                continue;
+        let mut lent = false;
+        // The hints, highest page first; each candidate is judged by its word.
+        self.free_hint.walk(&mut |bit| {
+            let p = self.hint_bit(bit);
+            let Some(w) = self.word(p, false) else { return true };
+            let v = w.load(Ordering::Acquire);
+            if v & !CONT != MAPPED {
+                // Not free: drop the hint, then look again, in case the page was freed
+                // between the two and its setter's bit went before our clear. The clear is an
+                // RMW that the setter's RMW is ordered against (as in `hbitmap`), so the
+                // second look sees any free whose bit the clear removed.
+                if self.free_hint.try_clear(bit) && w.load(Ordering::Acquire) & !CONT == MAPPED {
+                    self.hint_free(p);
+                }
+                return true;
+            }
+            // A run of one page (free pages of longer runs keep their hints: never lent, they
+            // may be unmapped or taken by blocks).
+            let single = v & CONT == 0 && self.word(p + 1, false).is_none_or(|w| w.load(Ordering::Acquire) & CONT == 0);
+            if !single || p == target {
+                return true;
             }
             // Held while judged and aliased: no block, unmapper or other lender can take it.
             if w.compare_exchange(MAPPED, HELD, Ordering::AcqRel, Ordering::Acquire).is_err() {
-                continue;
+                return true;
             }
             let from = self.page_addr(p);
             if !accept(from, page) || alias(from, to, len).is_err() {
                 w.store(MAPPED, Ordering::Release);
-                continue;
+                return true;
             }
             let id = self.phys_of(p);
             if let Some(t) = self.phys.get(target, true) {
@@ -109,9 +162,11 @@ impl PageMap {
             self.free_mapped.fetch_sub(1, Ordering::AcqRel);
             self.lent.fetch_add(1, Ordering::AcqRel);
             w.store(LENT, Ordering::Release);
-            return true;
-        }
-        false
+            self.free_hint.try_clear(bit);
+            lent = true;
+            false
+        });
+        lent
     }
 
     /// The lent page `p` is wanted by a block: if the page its memory serves is free, hold
@@ -138,6 +193,8 @@ impl PageMap {
         // only the page still showing the same memory will do.
         if self.phys_of(a) != id || !map.switch(self.page_addr(a), self.page_addr(p)) {
             aw.store(MAPPED, Ordering::Release);
+            // A lender may have dropped its hint while we held it.
+            self.hint_free(a);
             w.store(LENT, Ordering::Release);
             return false;
         }

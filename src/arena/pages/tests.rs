@@ -125,6 +125,44 @@ fn unmap_free_keeps_the_lowest_pages_and_skips_live_ones() {
     assert_eq!(m.peak_mapped_bytes(), 6 * P);
 }
 
+/// What a lend toward `to` is offered, highest first, when its judge refuses every page.
+fn offers(m: &PageMap, to: u64) -> Vec<u64> {
+    let mut seen = vec![];
+    assert!(!m.lend(
+        to,
+        P as usize,
+        &mut |from, _| {
+            seen.push(from);
+            false
+        },
+        &mut |_, _, _| Ok(())
+    ));
+    seen
+}
+
+#[test]
+fn a_lender_is_offered_the_free_single_pages_highest_first_and_no_others() {
+    let m = PageMap::new(0, 16 * P, P).unwrap();
+    // Pages 0..6 one at a time, then 8..=9 as one run of two.
+    for p in 0..6 {
+        m.acquire(p * P, P, true, &mut |_, _| Ok(Backing::Fresh)).unwrap();
+    }
+    m.acquire(8 * P, 2 * P, true, &mut |_, _| Ok(Backing::Fresh)).unwrap();
+    m.release(0, 6 * P);
+    m.release(8 * P, 2 * P);
+    // Pages 1 and 4 taken again after they were freed; page 5 is where the loan goes.
+    m.acquire(P, 1, true, &mut |_, _| Ok(Backing::Fresh)).unwrap();
+    m.acquire(4 * P, 1, true, &mut |_, _| Ok(Backing::Fresh)).unwrap();
+    assert_eq!(offers(&m, 5 * P), [3 * P, 2 * P, 0], "not the target, the run's pages or pages in use");
+    // Freed again: offered again.
+    m.release(4 * P, 1);
+    assert_eq!(offers(&m, 5 * P), [4 * P, 3 * P, 2 * P, 0]);
+    // A loan takes the highest, page 5, which is offered no more.
+    assert!(m.lend(7 * P, P as usize, &mut |_, _| true, &mut |_, _, _| Ok(())));
+    assert_eq!(m.lent_pages(), 1);
+    assert_eq!(offers(&m, 6 * P), [4 * P, 3 * P, 2 * P, 0]);
+}
+
 #[test]
 fn pages_being_unmapped_are_no_longer_counted_as_mapped() {
     // The caller's unmap gives the pages' budget back, and another thread may map at once:
