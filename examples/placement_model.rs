@@ -17,11 +17,19 @@
 //! - `best`: best fit among the stretches of free runs that lie on mapped pages, else best
 //!   fit by run length.
 //!
+//! Physical allocations (`--run N`, default 1): the pages a block lands on unmapped are
+//! mapped in allocations of at most N pages, one driver call each, and a trade unmaps only a
+//! whole allocation none of whose pages holds a block, one call each (CUDA maps, lends and
+//! unmaps a physical allocation only whole, and its driver charges per allocation, not per
+//! page: `benches/vmm_probe.c`). With `--edges`, a page the block covers only in part is an
+//! allocation of its own. The "calls" columns count these maps and unmaps per pass: what a
+//! pool that lends and unmaps whole allocations of N pages would ask of the driver.
+//!
 //! `--where` prints, for the second pass, the events around which pages were mapped (where
 //! the churn comes from).
 //!
 //! ```text
-//! cargo run --release --example placement_model -- [--policy first|best] [--slack S] [--no-chunks] [--where] TRACE.csv.gz ...
+//! cargo run --release --example placement_model -- [--policy first|best] [--slack S] [--run N] [--edges] [--no-chunks] [--where] TRACE.csv.gz ...
 //! ```
 
 use std::collections::{BTreeMap, HashMap};
@@ -60,10 +68,21 @@ struct Space {
     maps: u64,
     unmaps: u64,
     peak_mapped: u64,
+    /// Pages mapped as one physical allocation at most (`--run`).
+    run: u64,
+    /// Pages a block covers only in part are allocations of their own (`--edges`).
+    edges: bool,
+    /// Each mapped page's allocation: an index into `allocs`.
+    alloc_of: Vec<u32>,
+    /// Allocations: first page and pages.
+    allocs: Vec<(u64, u64)>,
+    /// Driver calls: allocations mapped and unmapped.
+    map_calls: u64,
+    unmap_calls: u64,
 }
 
 impl Space {
-    fn new(policy: Policy, slack: f64) -> Space {
+    fn new(policy: Policy, slack: f64, run: u64, edges: bool) -> Space {
         let mut free = BTreeMap::new();
         free.insert(0, u64::MAX / 2);
         Space {
@@ -79,6 +98,12 @@ impl Space {
             maps: 0,
             unmaps: 0,
             peak_mapped: 0,
+            run,
+            edges,
+            alloc_of: Vec::new(),
+            allocs: Vec::new(),
+            map_calls: 0,
+            unmap_calls: 0,
         }
     }
 
@@ -159,17 +184,39 @@ impl Space {
             self.on_page.resize(last as usize + 1, 0);
             self.mapped.resize(last as usize + 1, false);
         }
+        if self.alloc_of.len() <= last as usize {
+            self.alloc_of.resize(last as usize + 1, u32::MAX);
+        }
+        // Unmapped pages of the block, in stretches of at most `run` pages, each one
+        // allocation and one call.
+        let mut p = x / PAGE;
+        while p <= last {
+            if self.mapped[p as usize] {
+                p += 1;
+                continue;
+            }
+            let start = p;
+            // With `--edges`, a page the block covers only in part is an allocation of its
+            // own: a neighbour may keep it busy after the block goes, and would pin the
+            // block's whole allocation.
+            let edge = |q: u64| self.edges && ((q == x / PAGE && x % PAGE != 0) || (q == last && (x + n) % PAGE != 0));
+            let run = if edge(p) { 1 } else { self.run };
+            while p <= last && !self.mapped[p as usize] && p - start < run && (p == start || !edge(p)) {
+                self.mapped[p as usize] = true;
+                self.alloc_of[p as usize] = self.allocs.len() as u32;
+                self.mapped_pages += 1;
+                self.maps += 1;
+                p += 1;
+            }
+            self.allocs.push((start, p - start));
+            self.map_calls += 1;
+        }
         for p in x / PAGE..=last {
             let p = p as usize;
             if self.on_page[p] == 0 {
                 self.needed += 1;
             }
             self.on_page[p] += 1;
-            if !self.mapped[p] {
-                self.mapped[p] = true;
-                self.mapped_pages += 1;
-                self.maps += 1;
-            }
         }
         self.top = self.top.max(last + 1);
         self.needed_peak = self.needed_peak.max(self.needed);
@@ -178,11 +225,21 @@ impl Space {
         while self.mapped_pages > cap && p > 0 {
             p -= 1;
             let q = p as usize;
-            if self.mapped[q] && self.on_page[q] == 0 {
-                self.mapped[q] = false;
-                self.mapped_pages -= 1;
-                self.unmaps += 1;
+            if !self.mapped[q] {
+                continue;
             }
+            // Only a whole allocation goes, and only when none of its pages holds a block.
+            let (s0, n0) = self.allocs[self.alloc_of[q] as usize];
+            if (s0..s0 + n0).all(|r| self.on_page[r as usize] == 0) {
+                for r in s0..s0 + n0 {
+                    self.mapped[r as usize] = false;
+                    self.alloc_of[r as usize] = u32::MAX;
+                }
+                self.mapped_pages -= n0;
+                self.unmaps += n0;
+                self.unmap_calls += 1;
+            }
+            p = s0;
         }
         self.peak_mapped = self.peak_mapped.max(self.mapped_pages);
     }
@@ -285,16 +342,30 @@ impl Model {
 /// unmapped during the pass.
 struct Pass {
     ratio: f64,
+    calls: u64,
     mapped: u64,
     unmapped: u64,
     peak: u64,
 }
 
-fn run(trace: &Trace, policy: Policy, slack: f64, use_chunks: bool, show_where: bool) -> [Pass; 2] {
-    let mut m = Model { space: Space::new(policy, slack), chunks: HashMap::new(), use_chunks, live: HashMap::new() };
+fn run(
+    trace: &Trace,
+    policy: Policy,
+    slack: f64,
+    (run, edges): (u64, bool),
+    use_chunks: bool,
+    show_where: bool,
+) -> [Pass; 2] {
+    let mut m = Model {
+        space: Space::new(policy, slack, run, edges),
+        chunks: HashMap::new(),
+        use_chunks,
+        live: HashMap::new(),
+    };
     let peak_live = trace.peak_live().max(1) as f64;
     let pass = |m: &mut Model, second: bool| {
         let (maps, unmaps) = (m.space.maps, m.space.unmaps);
+        let calls = m.space.map_calls + m.space.unmap_calls;
         m.space.peak_mapped = m.space.mapped_pages;
         for (i, op) in trace.ops.iter().enumerate() {
             let before = m.space.maps;
@@ -317,6 +388,7 @@ fn run(trace: &Trace, policy: Policy, slack: f64, use_chunks: bool, show_where: 
         }
         Pass {
             ratio: (m.space.peak_mapped * PAGE) as f64 / peak_live,
+            calls: m.space.map_calls + m.space.unmap_calls - calls,
             mapped: (m.space.maps - maps) * PAGE,
             unmapped: (m.space.unmaps - unmaps) * PAGE,
             peak: m.space.peak_mapped * PAGE,
@@ -330,6 +402,7 @@ fn run(trace: &Trace, policy: Policy, slack: f64, use_chunks: bool, show_where: 
 fn main() {
     let mut args = std::env::args().skip(1);
     let (mut policy, mut slack, mut use_chunks, mut show_where, mut paths) = (Policy::Best, 1.0, true, false, vec![]);
+    let (mut run_pages, mut edges) = (1u64, false);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--policy" => {
@@ -343,6 +416,11 @@ fn main() {
                 Some(s) => slack = s,
                 None => return eprintln!("--slack needs a number of at least 1"),
             },
+            "--run" => match args.next().and_then(|v| v.parse::<u64>().ok()).filter(|r| *r >= 1) {
+                Some(r) => run_pages = r,
+                None => return eprintln!("--run needs a number of pages, at least 1"),
+            },
+            "--edges" => edges = true,
             "--no-chunks" => use_chunks = false,
             "--where" => show_where = true,
             _ => paths.push(a),
@@ -350,10 +428,13 @@ fn main() {
     }
     if paths.is_empty() {
         return eprintln!(
-            "usage: placement_model [--policy first|best] [--slack S] [--no-chunks] [--where] TRACE.csv[.gz] ..."
+            "usage: placement_model [--policy first|best] [--slack S] [--run N] [--edges] [--no-chunks] [--where] TRACE.csv[.gz] ..."
         );
     }
-    println!("{:<28} {:>8} {:>8} {:>14} {:>14}", "trace", "cold", "warm", "warm mapped", "warm unmapped");
+    println!(
+        "{:<28} {:>8} {:>8} {:>14} {:>14} {:>11} {:>11}",
+        "trace", "cold", "warm", "warm mapped", "warm unmapped", "cold calls", "warm calls"
+    );
     for path in &paths {
         let trace = match std::fs::File::open(path).map(BufReader::new).map_err(|e| e.to_string()).and_then(|f| {
             if path.ends_with(".gz") {
@@ -366,14 +447,16 @@ fn main() {
             Ok(t) => t,
             Err(e) => return eprintln!("{path}: {e}"),
         };
-        let [cold, warm] = run(&trace, policy, slack, use_chunks, show_where);
+        let [cold, warm] = run(&trace, policy, slack, (run_pages, edges), use_chunks, show_where);
         let name = path.rsplit('/').next().unwrap_or(path);
         println!(
-            "{name:<28} {:>8.3} {:>8.3} {:>9.3} × pk {:>9.3} × pk",
+            "{name:<28} {:>8.3} {:>8.3} {:>9.3} × pk {:>9.3} × pk {:>11} {:>11}",
             cold.ratio,
             warm.ratio,
             warm.mapped as f64 / warm.peak.max(1) as f64,
             warm.unmapped as f64 / warm.peak.max(1) as f64,
+            cold.calls,
+            warm.calls,
         );
     }
 }
