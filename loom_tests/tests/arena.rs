@@ -298,6 +298,29 @@ fn a_page_freed_while_a_lender_drops_its_stale_hint_stays_offered() {
     });
 }
 
+/// Two lenders walk the free-page hints at once and both refuse what they are offered: one
+/// may hold the page (to judge it) while the other meets it held, takes its hint for stale
+/// and drops it. The holder gives the page back free and sets the hint again, so the page
+/// is offered to the next loan whatever the interleaving.
+#[test]
+fn a_page_a_lender_gives_back_stays_offered() {
+    loom::model(|| {
+        let m = Arc::new(PageMap::new(0, 2 * PAGE, PAGE).unwrap());
+        let d = Arc::new(Device::new());
+        for page in [0, PAGE] {
+            m.acquire(page, 256, true, &mut |a, _| d.map(a).map(|()| Backing::Fresh)).unwrap();
+            assert!(m.release(page, 256));
+        }
+        let m1 = m.clone();
+        let t = thread::spawn(move || {
+            offered(&m1, PAGE);
+        });
+        offered(&m, PAGE);
+        t.join().unwrap();
+        assert_eq!(offered(&m, PAGE), [0], "the page given back lost its hint");
+    });
+}
+
 /// A search cleaning stale hints races a setter under those hints (a two-level bitmap: a root
 /// over two leaf nodes). The clear-then-recheck of the hint must never lose the new bit: a
 /// search afterwards still finds it through the hints.

@@ -147,6 +147,8 @@ impl PageMap {
             let from = self.page_addr(p);
             if !accept(from, page) || alias(from, to, len).is_err() {
                 w.store(MAPPED, Ordering::Release);
+                // Another lender may have dropped its hint while we held it.
+                self.hint_free(p);
                 return true;
             }
             let id = self.phys_of(p);
