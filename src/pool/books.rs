@@ -275,6 +275,10 @@ impl PoolInner {
         if !doubly.is_empty() {
             return broken(format!("memory mapped at two pages that serve blocks: {doubly:x?}"));
         }
+        let unhinted = self.pages.walk_unhinted_free();
+        if !unhinted.is_empty() {
+            return broken(format!("free pages no loan can find (no hint): {unhinted:x?}"));
+        }
         let physical = self.pages.walk_physical();
         if physical != st.reserved_bytes {
             return broken(format!(

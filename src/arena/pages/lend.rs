@@ -72,7 +72,7 @@ impl PageMap {
     /// The free-page hint bit of page `p`, and the page of bit `p` (the map is its own
     /// inverse): the highest page is bit 0, so that the walk of [`PageMap::lend`] meets the
     /// highest pages first.
-    fn hint_bit(&self, p: usize) -> usize {
+    pub(super) fn hint_bit(&self, p: usize) -> usize {
         self.words.len() - 1 - p
     }
 
@@ -80,6 +80,22 @@ impl PageMap {
     /// the write that made it so.
     pub(super) fn hint_free(&self, p: usize) {
         self.free_hint.set(self.hint_bit(p));
+    }
+
+    /// The free pages (`MAPPED` with count 0) whose hint is not set, by a walk: none once
+    /// quiet, or a loan could never be offered them.
+    pub fn walk_unhinted_free(&self) -> Vec<u64> {
+        let mut v = Vec::new();
+        for c in 0..self.words.chunks() {
+            let Some(chunk) = self.words.chunk(c) else { continue };
+            for (j, w) in chunk.iter().enumerate() {
+                let p = c * CHUNK + j;
+                if w.load(Ordering::Acquire) & !CONT == MAPPED && !self.free_hint.contains(self.hint_bit(p)) {
+                    v.push(self.page_addr(p));
+                }
+            }
+        }
+        v
     }
 
     /// The page index (+1) whose blocks use the memory page `q` shows.

@@ -164,6 +164,17 @@ fn a_lender_is_offered_the_free_single_pages_highest_first_and_no_others() {
 }
 
 #[test]
+fn a_free_page_without_its_hint_is_reported() {
+    let m = PageMap::new(0, 4 * P, P).unwrap();
+    m.acquire(P, P, true, &mut |_, _| Ok(Backing::Fresh)).unwrap();
+    assert!(m.walk_unhinted_free().is_empty(), "a page in use needs no hint");
+    m.release(P, P);
+    assert!(m.walk_unhinted_free().is_empty());
+    m.free_hint.try_clear(m.hint_bit(1));
+    assert_eq!(m.walk_unhinted_free(), [P]);
+}
+
+#[test]
 fn pages_being_unmapped_are_no_longer_counted_as_mapped() {
     // The caller's unmap gives the pages' budget back, and another thread may map at once:
     // `mapped` (and so the peak) must not still count them then, or a pool at its limit
