@@ -98,6 +98,16 @@ impl PageMap {
         v
     }
 
+    /// Drop the hint of page `p` (word `w`), seen not free, then look at the page again, in
+    /// case it was freed between the two and its free's bit went before our clear: the clear
+    /// is an RMW that the free's RMW on the bit is ordered against (as in `hbitmap`), so the
+    /// second look sees any free whose bit the clear removed, and sets the bit back.
+    fn drop_hint(&self, p: usize, w: &AtomicU64) {
+        if self.free_hint.try_clear(self.hint_bit(p)) && w.load(Ordering::Acquire) & !CONT == MAPPED {
+            self.hint_free(p);
+        }
+    }
+
     /// The page index (+1) whose blocks use the memory page `q` shows.
     fn active_of(&self, q: usize) -> Option<usize> {
         let id = self.phys.get(q, false)?.load(Ordering::Acquire).checked_sub(1)?;
@@ -141,13 +151,7 @@ impl PageMap {
             let Some(w) = self.word(p, false) else { return true };
             let v = w.load(Ordering::Acquire);
             if v & !CONT != MAPPED {
-                // Not free: drop the hint, then look again, in case the page was freed
-                // between the two and its setter's bit went before our clear. The clear is an
-                // RMW that the setter's RMW is ordered against (as in `hbitmap`), so the
-                // second look sees any free whose bit the clear removed.
-                if self.free_hint.try_clear(bit) && w.load(Ordering::Acquire) & !CONT == MAPPED {
-                    self.hint_free(p);
-                }
+                self.drop_hint(p, w);
                 return true;
             }
             // A run of one page (free pages of longer runs keep their hints: never lent, they
@@ -180,7 +184,7 @@ impl PageMap {
             self.free_mapped.fetch_sub(1, Ordering::AcqRel);
             self.lent.fetch_add(1, Ordering::AcqRel);
             w.store(LENT, Ordering::Release);
-            self.free_hint.try_clear(bit);
+            self.drop_hint(p, w);
             lent = true;
             false
         });
