@@ -183,8 +183,6 @@ impl Space {
         if self.on_page.len() <= last as usize {
             self.on_page.resize(last as usize + 1, 0);
             self.mapped.resize(last as usize + 1, false);
-        }
-        if self.alloc_of.len() <= last as usize {
             self.alloc_of.resize(last as usize + 1, u32::MAX);
         }
         // Unmapped pages of the block, in stretches of at most `run` pages, each one
