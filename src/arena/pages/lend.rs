@@ -86,16 +86,23 @@ impl PageMap {
     /// quiet, or a loan could never be offered them.
     pub fn walk_unhinted_free(&self) -> Vec<u64> {
         let mut v = Vec::new();
-        for c in 0..self.words.chunks() {
-            let Some(chunk) = self.words.chunk(c) else { continue };
-            for (j, w) in chunk.iter().enumerate() {
-                let p = c * CHUNK + j;
-                if w.load(Ordering::Acquire) & !CONT == MAPPED && !self.free_hint.contains(self.hint_bit(p)) {
-                    v.push(self.page_addr(p));
-                }
+        self.for_each_mapped(|addr, count| {
+            let p = ((addr - self.base) >> self.page_shift) as usize;
+            if count == 0 && !self.free_hint.contains(self.hint_bit(p)) {
+                v.push(addr);
             }
-        }
+        });
         v
+    }
+
+    /// Let go of page `p` (word `w`), held by this thread, with the word `v` it had before.
+    /// A page that goes back free gets its hint again: another lender may have met it held,
+    /// taken its hint for stale and dropped it.
+    pub(super) fn give_back(&self, p: usize, w: &AtomicU64, v: u64) {
+        w.store(v, Ordering::Release);
+        if is_free(v) {
+            self.hint_free(p);
+        }
     }
 
     /// Drop the hint of page `p` (word `w`), seen not free, then look at the page again, in
@@ -103,7 +110,7 @@ impl PageMap {
     /// is an RMW that the free's RMW on the bit is ordered against (as in `hbitmap`), so the
     /// second look sees any free whose bit the clear removed, and sets the bit back.
     fn drop_hint(&self, p: usize, w: &AtomicU64) {
-        if self.free_hint.try_clear(self.hint_bit(p)) && w.load(Ordering::Acquire) & !CONT == MAPPED {
+        if self.free_hint.try_clear(self.hint_bit(p)) && is_free(w.load(Ordering::Acquire)) {
             self.hint_free(p);
         }
     }
@@ -150,7 +157,7 @@ impl PageMap {
             let p = self.hint_bit(bit);
             let Some(w) = self.word(p, false) else { return true };
             let v = w.load(Ordering::Acquire);
-            if v & !CONT != MAPPED {
+            if !is_free(v) {
                 self.drop_hint(p, w);
                 return true;
             }
@@ -166,9 +173,7 @@ impl PageMap {
             }
             let from = self.page_addr(p);
             if !accept(from, page) || alias(from, to, len).is_err() {
-                w.store(MAPPED, Ordering::Release);
-                // Another lender may have dropped its hint while we held it.
-                self.hint_free(p);
+                self.give_back(p, w, MAPPED);
                 return true;
             }
             let id = self.phys_of(p);
@@ -214,9 +219,7 @@ impl PageMap {
         // `a` may have been unmapped and mapped afresh since it was named the active page:
         // only the page still showing the same memory will do.
         if self.phys_of(a) != id || !map.switch(self.page_addr(a), self.page_addr(p)) {
-            aw.store(MAPPED, Ordering::Release);
-            // A lender may have dropped its hint while we held it.
-            self.hint_free(a);
+            self.give_back(a, aw, MAPPED);
             w.store(LENT, Ordering::Release);
             return false;
         }

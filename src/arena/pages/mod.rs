@@ -60,6 +60,13 @@ const ONE: u64 = 1 << COUNT_SHIFT;
 /// A page held by a loan or a return in progress (see [`lend`]): `MAPPING` with count 1, so
 /// others wait for it as for a mapper.
 const HELD: u64 = ONE | MAPPING;
+
+/// Whether a page word says the page is free: mapped, with no block on it (a run's page or
+/// not).
+#[inline]
+fn is_free(v: u64) -> bool {
+    v & !CONT == MAPPED
+}
 /// The most pages a map may map in one call (see [`PageMap::with_max_run`]).
 pub const MAX_RUN: usize = 64;
 /// The most pages a map may cover (its directory is made eagerly: 2^30 / 512 pointers).
@@ -451,7 +458,7 @@ impl PageMap {
                 continue;
             };
             let v = w.load(Ordering::Acquire);
-            if v & STATE != MAPPED || v >> COUNT_SHIFT != 0 || self.shared(p) {
+            if !is_free(v) || self.shared(p) {
                 // A page whose memory lent pages also show goes after them (its memory would
                 // not be freed).
                 continue;
@@ -488,11 +495,7 @@ impl PageMap {
         let mut claimed = Vec::with_capacity(end - head + 1);
         let back = |claimed: Vec<(u64, &AtomicU64)>| {
             for (q, (c, w)) in (head..).zip(claimed) {
-                w.store(from | c, Ordering::Release);
-                if from == MAPPED {
-                    // A lender may have dropped its hint while we held it.
-                    self.hint_free(q);
-                }
+                self.give_back(q, w, from | c);
             }
         };
         for q in head..=end {
