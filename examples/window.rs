@@ -13,11 +13,11 @@
 //! ```
 //!
 //! Options: `--threads N` (default 4), `--pairs N` (default 200,000 a thread), `--warm N`
-//! (default as `--pairs`), `--sim` (the simulator even where there is a GPU), `--costs` (the
-//! simulator spends an H200 driver's costs, maps and loans queued behind one driver lock),
-//! `--no-trade` (`PoolConfig::trade_pages_on_map` off), `--map-run-pages N`,
-//! `--largest-cached N` and `--thread-cache N` (`PoolConfig::largest_cached_class` and
-//! `thread_cache_bytes`, in bytes).
+//! (default as `--pairs`), `--sim` (the simulator even where there is a GPU), `--sim-gib N`
+//! (its memory, default 64), `--costs` (the simulator spends an H200 driver's costs, maps
+//! and loans queued behind one driver lock), `--no-trade` (`PoolConfig::trade_pages_on_map`
+//! off), `--map-run-pages N`, `--largest-cached N` and `--thread-cache N`
+//! (`PoolConfig::largest_cached_class` and `thread_cache_bytes`, in bytes).
 
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -36,11 +36,20 @@ struct Args {
     warm: u64,
     costs: bool,
     sim: bool,
+    sim_gib: u64,
     config: PoolConfig,
 }
 
 fn parse() -> Result<Args, String> {
-    let mut a = Args { threads: 4, pairs: 200_000, warm: 0, costs: false, sim: false, config: PoolConfig::default() };
+    let mut a = Args {
+        threads: 4,
+        pairs: 200_000,
+        warm: 0,
+        costs: false,
+        sim: false,
+        sim_gib: 64,
+        config: PoolConfig::default(),
+    };
     let mut warm = None;
     let mut it = std::env::args().skip(1);
     let num = |v: Option<String>, what: &str| -> Result<u64, String> {
@@ -53,6 +62,7 @@ fn parse() -> Result<Args, String> {
             "--warm" => warm = Some(num(it.next(), "--warm")?),
             "--costs" => a.costs = true,
             "--sim" => a.sim = true,
+            "--sim-gib" => a.sim_gib = num(it.next(), "--sim-gib")?.max(1),
             "--no-trade" => a.config.trade_pages_on_map = false,
             "--largest-cached" => a.config.largest_cached_class = num(it.next(), "--largest-cached")?,
             "--thread-cache" => a.config.thread_cache_bytes = num(it.next(), "--thread-cache")?,
@@ -197,9 +207,13 @@ fn report(args: &Args, b: &Stats, a: &Stats, sim: Option<&SimDevice>) {
 fn device(args: &Args) -> (Arc<dyn Device>, Option<SimDevice>, String) {
     let sim = || {
         let costs = if args.costs { SimCosts::h200() } else { SimCosts::NONE };
-        let dev = SimDevice::builder(64 << 30).costs(costs).build();
+        let dev = SimDevice::builder(args.sim_gib << 30).costs(costs).build();
         let what = if args.costs { "with H200 driver costs" } else { "no driver costs" };
-        (Arc::new(dev.clone()) as Arc<dyn Device>, Some(dev), format!("simulated device (64 GiB, {what})"))
+        (
+            Arc::new(dev.clone()) as Arc<dyn Device>,
+            Some(dev),
+            format!("simulated device ({} GiB, {what})", args.sim_gib),
+        )
     };
     if args.sim {
         return sim();
