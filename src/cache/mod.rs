@@ -3,4 +3,5 @@
 pub mod budget;
 pub mod depot;
 pub mod magazine;
+mod mags;
 pub mod thread;
