@@ -1,24 +1,20 @@
 //! `CudaDevice`: a CUDA GPU through the driver API (cudarc's raw `sys` bindings, loaded at
 //! run time), on the device's primary context.
 //!
+//! The device and its driver calls are here; submodules own the rest, each with its reasons:
+//! `loader` (finding the driver without panicking, naming its errors), `handles` (what a
+//! stream and an event hold, how they are destroyed or parked, and the trampoline that runs
+//! host functions), `capture` (the capture checks that the registry and the C ABI share),
+//! `spin` and `cudarc_interop`.
+//!
 //! Choices, and why:
 //!
-//! - **Loading never panics.** cudarc's loader panics when `libcuda` or one of its symbols is
-//!   missing, so [`CudaDevice::new`] first checks that the library loads and that every symbol
-//!   this module calls resolves; only then does it call the driver. Without a driver it returns
-//!   [`Error::NoDevice`] and [`super::auto`] falls back to the simulator.
 //! - **The primary context**, retained for as long as any clone, stream or event of the device
 //!   lives, so vrampool shares memory and streams with PyTorch or any runtime-API code. It is
 //!   bound before every driver call, because a block may be dropped on any thread: the current
 //!   context is read back from the driver (`cuCtxGetCurrent`, a thread-local read inside the
 //!   driver) rather than cached on our side, so code that switches contexts behind our back
 //!   (another device, a library's own context) cannot leave us calling into the wrong one.
-//! - **Host functions** run through one `extern "C"` trampoline that owns the boxed closure,
-//!   runs it under `catch_unwind` (unwinding into the driver is undefined behaviour) and marks
-//!   the thread as inside a host function, so every method called from there fails with
-//!   [`Error::NotPermitted`] before it reaches the driver (which would refuse or deadlock).
-//!   Streams and events whose last handle is dropped inside a host function cannot be
-//!   destroyed there: they are parked and destroyed by the next device call on another thread.
 //! - **Capture**: operations that need the stream's work to run (synchronize, event record and
 //!   wait, host functions, copies, memset) check `cuStreamIsCapturing` first and fail with
 //!   [`Error::StreamCapturing`], as the simulator does. Otherwise some of them would be
@@ -49,9 +45,8 @@
 //!   the cudarc `Arc`, which is this module's only tie to cudarc's safe API.
 
 use std::ffi::{c_void, CStr};
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use cudarc::driver::sys;
 use sys::CUresult;
@@ -59,11 +54,18 @@ use sys::CUresult;
 use super::{implement, in_host_fn_error, Device, DeviceKind, Event, HostFn, MemInfo, Stream};
 use crate::error::{Error, Result};
 
-use super::{in_host_fn, set_in_host_fn};
+use super::in_host_fn;
 
+mod capture;
 mod cudarc_interop;
+mod handles;
+mod loader;
 mod spin;
+pub(crate) use capture::{raw_is_capturing, RelaxedCapture};
 pub(crate) use cudarc_interop::{cudarc_driver_error, wrapped_stream};
+use handles::{host_trampoline, CudaEvent, CudaStream, HostCall, Parked};
+pub use loader::missing_symbols;
+use loader::{check, describe, driver_error, driver_present};
 use spin::SpinKernel;
 
 /// Most events kept for reuse per device (see the module docs); beyond it a dropped event is
@@ -74,124 +76,6 @@ const SPARE_EVENTS: usize = 1024;
 /// bursts of batches and `record_stream` frees find spares instead of calling
 /// `cuEventCreate` while other threads hold the driver (module docs).
 const STOCKED_EVENTS: usize = 512;
-
-/// Every driver symbol this module calls. cudarc's loader
-/// panics on a missing one, so they are all looked up before the first call.
-const SYMBOLS: &[&str] = &[
-    "cuInit",
-    "cuGetErrorName",
-    "cuGetErrorString",
-    "cuDeviceGet",
-    "cuDeviceGetName",
-    "cuDeviceTotalMem_v2",
-    "cuDevicePrimaryCtxRetain",
-    "cuDevicePrimaryCtxRelease_v2",
-    "cuCtxGetCurrent",
-    "cuCtxSetCurrent",
-    "cuStreamCreate",
-    "cuStreamDestroy_v2",
-    "cuStreamSynchronize",
-    "cuStreamIsCapturing",
-    "cuStreamWaitEvent",
-    "cuEventCreate",
-    "cuEventDestroy_v2",
-    "cuEventRecord",
-    "cuEventQuery",
-    "cuEventSynchronize",
-    "cuLaunchHostFunc",
-    "cuMemcpyHtoDAsync_v2",
-    "cuMemcpyDtoHAsync_v2",
-    "cuMemsetD8Async",
-    "cuMemGetInfo_v2",
-    "cuMemGetAllocationGranularity",
-    "cuMemAddressReserve",
-    "cuMemAddressFree",
-    "cuMemCreate",
-    "cuMemMap",
-    "cuMemSetAccess",
-    "cuMemRelease",
-    "cuMemUnmap",
-    "cuMemRetainAllocationHandle",
-    "cuCtxSynchronize",
-    "cuModuleLoadData",
-    "cuModuleGetFunction",
-    "cuModuleUnload",
-    "cuLaunchKernel",
-];
-
-/// Whether the driver library loads and has every symbol we call; `Err` says what is missing.
-fn driver_present() -> Result<(), String> {
-    match missing_symbols(SYMBOLS)? {
-        missing if missing.is_empty() => Ok(()),
-        missing => Err(format!("the CUDA driver is too old: it lacks {}", missing.join(", "))),
-    }
-}
-
-/// Which of `names` the CUDA driver library lacks; `Err` if it cannot be loaded at all.
-/// cudarc panics when a symbol it calls is missing: look first, for any driver function a
-/// program means to call directly.
-pub fn missing_symbols<'a>(names: &[&'a str]) -> Result<Vec<&'a str>, String> {
-    // SAFETY: is_culib_present only tries to open the library and drops it again.
-    if !unsafe { sys::is_culib_present() } {
-        return Err("the CUDA driver library (libcuda) is not installed or not on the library path".into());
-    }
-    // Loading was just shown to work, so culib() will not take its panicking branch; the
-    // catch is a second line of defence should the library vanish in between.
-    catch_unwind(|| {
-        // SAFETY: culib opens the driver library once, for the life of the process.
-        let lib = unsafe { sys::culib() };
-        names
-            .iter()
-            // SAFETY: the symbol is only looked up, never called through this type.
-            .filter(|name| unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err())
-            .copied()
-            .collect::<Vec<_>>()
-    })
-    .map_err(|_| "the CUDA driver library could not be loaded".to_string())
-}
-
-/// The driver's name and words for `rc` ("CUDA_ERROR_OUT_OF_MEMORY: out of memory").
-fn describe(rc: CUresult) -> String {
-    let mut name: *const std::ffi::c_char = std::ptr::null();
-    let mut text: *const std::ffi::c_char = std::ptr::null();
-    // SAFETY: both calls only write a pointer to a static string (or leave it alone on failure);
-    // the library is loaded, since no CUresult exists before the driver was found.
-    let (rn, rt) = unsafe { (sys::cuGetErrorName(rc, &mut name), sys::cuGetErrorString(rc, &mut text)) };
-    let read = |ok: bool, p: *const std::ffi::c_char| {
-        if ok && !p.is_null() {
-            // SAFETY: the driver returned a pointer to a NUL-terminated static string.
-            Some(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
-        } else {
-            None
-        }
-    };
-    let ok = |r: CUresult| r == CUresult::CUDA_SUCCESS;
-    match (read(ok(rn), name), read(ok(rt), text)) {
-        (Some(n), Some(t)) => format!("{n}: {t}"),
-        (Some(n), None) => n,
-        (None, Some(t)) => t,
-        (None, None) => format!("{rc:?}"),
-    }
-}
-
-fn driver_error(call: &'static str, rc: CUresult) -> Error {
-    use CUresult::*;
-    match rc {
-        CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
-        | CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
-        | CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
-        | CUDA_ERROR_CAPTURED_EVENT => Error::StreamCapturing,
-        _ => Error::Device { call, code: rc as i64, message: describe(rc).into() },
-    }
-}
-
-fn check(call: &'static str, rc: CUresult) -> Result<()> {
-    if rc == CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(driver_error(call, rc))
-    }
-}
 
 /// A CUDA GPU, on its primary context. Cheap to clone: clones are the same device.
 #[derive(Clone)]
@@ -219,14 +103,6 @@ struct CudaInner {
     spin: OnceLock<Result<SpinKernel>>,
     /// Events of this context nobody holds, for reuse (`CUevent` handles).
     spare_events: crossbeam_queue::ArrayQueue<usize>,
-}
-
-enum Parked {
-    Stream(usize),
-    Event(usize),
-    /// A cudarc stream whose vrampool handle was dropped inside a host function: dropping
-    /// it there could make cudarc call the driver (see `cudarc_interop`).
-    Cudarc(Arc<cudarc::driver::CudaStream>),
 }
 
 /// Locks here guard plain lists and are never held across user code; a poisoned one only
@@ -416,104 +292,6 @@ impl Drop for CudaInner {
         // SAFETY: releases the one reference `new` retained; every stream and event of this
         // device held an `Arc` of us, so none is left to use the context through us.
         let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };
-    }
-}
-
-/// What a [`Stream`] of this device holds.
-struct CudaStream {
-    raw: usize,
-    /// True while this handle owns a stream not yet destroyed: whoever swaps it to false
-    /// (destroy_stream or the drop of the last handle) destroys it, exactly once.
-    owned_live: AtomicBool,
-    owned: bool,
-    device: Arc<CudaInner>,
-    /// The cudarc stream this handle was made from (`cudarc_interop`), held so that the raw
-    /// handle outlives every use of this one; `None` for streams vrampool created or wrapped
-    /// from a raw handle.
-    cudarc: Option<Arc<cudarc::driver::CudaStream>>,
-}
-
-impl CudaStream {
-    fn raw(&self) -> sys::CUstream {
-        self.raw as sys::CUstream
-    }
-
-    fn take_ownership(&self) -> bool {
-        self.owned_live.swap(false, Ordering::AcqRel)
-    }
-}
-
-impl Drop for CudaStream {
-    fn drop(&mut self) {
-        if self.take_ownership() {
-            self.device.dispose(Parked::Stream(self.raw));
-        }
-        if let Some(s) = self.cudarc.take() {
-            if in_host_fn() {
-                self.device.park(Parked::Cudarc(s));
-            }
-        }
-    }
-}
-
-/// What an [`Event`] of this device holds.
-struct CudaEvent {
-    raw: usize,
-    device: Arc<CudaInner>,
-}
-
-impl CudaEvent {
-    fn raw(&self) -> sys::CUevent {
-        self.raw as sys::CUevent
-    }
-}
-
-impl Drop for CudaEvent {
-    fn drop(&mut self) {
-        // Kept for the next `create_event`; destroyed only when the spares are full.
-        if let Err(raw) = self.device.spare_events.push(self.raw) {
-            self.device.dispose(Parked::Event(raw));
-        }
-    }
-}
-
-/// What the trampoline receives: the closure and where to count its panics.
-struct HostCall {
-    f: HostFn,
-    device: Weak<CudaInner>,
-}
-
-/// Clears the in-host-function flag however the closure ends.
-struct HostFnFlag;
-
-impl HostFnFlag {
-    fn set() -> HostFnFlag {
-        set_in_host_fn(true);
-        HostFnFlag
-    }
-}
-
-impl Drop for HostFnFlag {
-    fn drop(&mut self) {
-        set_in_host_fn(false);
-    }
-}
-
-/// Run a host function for the driver.
-///
-/// # Safety
-/// `data` must come from `Box::into_raw` of a `Box<HostCall>` and be passed here exactly once.
-unsafe extern "C" fn host_trampoline(data: *mut c_void) {
-    // SAFETY: by the contract, `data` is an owned, live `Box<HostCall>` given to us once.
-    let call = unsafe { Box::from_raw(data.cast::<HostCall>()) };
-    // Held to the end: everything dropped here (the closure's captures, and the device itself
-    // should the upgrade below hold its last reference) must park rather than call the driver.
-    let _flag = HostFnFlag::set();
-    let HostCall { f, device } = *call;
-    if catch_unwind(AssertUnwindSafe(f)).is_err() {
-        if let Some(dev) = device.upgrade() {
-            dev.host_fn_panics.fetch_add(1, Ordering::Relaxed);
-        }
     }
 }
 
@@ -930,49 +708,6 @@ impl Device for CudaDevice {
         // Loaded under the context `running` just bound.
         let kernel = self.inner.spin.get_or_init(SpinKernel::load).as_ref().map_err(Clone::clone)?;
         kernel.launch(h.raw(), ns)
-    }
-}
-
-/// The calling thread's stream-capture mode set to RELAXED until the guard drops, then
-/// set back. In the GLOBAL mode (PyTorch's default for graph capture) the driver refuses
-/// `cuEventQuery` and `cuStreamQuery` on *every* thread while any thread captures, and the
-/// refusal invalidates that capture; measured on an H200 (driver 580), the RELAXED mode
-/// lets both run and the capture survives. PyTorch's caching allocator does the same
-/// around its driver calls during capture.
-pub(crate) struct RelaxedCapture(sys::CUstreamCaptureMode);
-
-impl RelaxedCapture {
-    /// `None` where the driver refuses the exchange (nothing to restore then).
-    pub(crate) fn enter() -> Option<RelaxedCapture> {
-        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
-        // SAFETY: the driver reads and writes one enum through the pointer; the call needs
-        // no context.
-        let rc = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
-        (rc == CUresult::CUDA_SUCCESS).then_some(RelaxedCapture(mode))
-    }
-}
-
-impl Drop for RelaxedCapture {
-    fn drop(&mut self) {
-        let mut mode = self.0;
-        // SAFETY: as in `enter`; this puts back the mode `enter` took out.
-        unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
-    }
-}
-
-/// `cuStreamIsCapturing` on a raw handle: whether `raw` is being captured. Unlike
-/// `cuStreamGetId`, which fails on a capturing stream and invalidates its capture (in every
-/// capture mode, measured on an H200), this is allowed during capture.
-pub(crate) fn raw_is_capturing(raw: u64) -> Result<bool> {
-    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-    // SAFETY: the caller promised a live stream of the current context (or a special
-    // handle); the driver validates it and writes one enum.
-    let rc = unsafe { sys::cuStreamIsCapturing(raw as usize as sys::CUstream, &mut status) };
-    match rc {
-        CUresult::CUDA_SUCCESS => Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE),
-        // The legacy stream while another stream captures in global mode: it cannot run.
-        CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT => Ok(true),
-        rc => Err(driver_error("cuStreamIsCapturing", rc)),
     }
 }
 
