@@ -30,7 +30,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use vrampool::{Block, Device, Pool, PoolConfig, SimCosts, SimDevice, Stats, Stream};
+use vrampool::{Block, Device, Pool, PoolConfig, Stats, Stream};
+
+#[path = "support/device.rs"]
+mod device;
+use device::gpu_or_sim;
 
 const HIDDEN: u64 = 4096;
 const MLP: u64 = 14_336;
@@ -241,39 +245,13 @@ impl Worker<'_> {
     }
 }
 
-fn device(args: &Args) -> (Arc<dyn Device>, Option<SimDevice>, String) {
-    let sim = || {
-        let costs = if args.costs { SimCosts::h200() } else { SimCosts::NONE };
-        let dev = SimDevice::builder(80 << 30).costs(costs).build();
-        let what = if args.costs { "H200 driver costs" } else { "no driver costs" };
-        let arc: Arc<dyn Device> = Arc::new(dev.clone());
-        (arc, Some(dev), format!("simulated device (80 GiB, {what})"))
-    };
-    if args.sim {
-        return sim();
-    }
-    #[cfg(feature = "cuda")]
-    match vrampool::CudaDevice::new(0) {
-        Ok(d) => {
-            let why = format!("CUDA device 0: {}", d.name());
-            return (Arc::new(d), None, why);
-        }
-        Err(e) => {
-            let (a, s, why) = sim();
-            return (a, s, format!("{why}: no CUDA GPU ({e})"));
-        }
-    }
-    #[allow(unreachable_code)]
-    sim()
-}
-
 fn mib(b: u64) -> f64 {
     b as f64 / (1u64 << 20) as f64
 }
 
 fn main() {
     let args = parse_args();
-    let (device, sim, why) = device(&args);
+    let (device, sim, why) = gpu_or_sim(args.sim, 80 << 30, args.costs);
     println!("device: {why}");
     println!(
         "{} threads, {} requests each (or {} s), {} layers, device {}",

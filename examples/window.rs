@@ -22,11 +22,15 @@
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use vrampool::{Block, Device, Pool, PoolConfig, SimCosts, SimDevice, Stats, Stream};
+use vrampool::{Block, Device, Pool, PoolConfig, SimDevice, Stats, Stream};
 
 #[path = "../benches/support/sizes.rs"]
 mod sizes;
 use sizes::Rng;
+
+#[path = "support/device.rs"]
+mod device;
+use device::gpu_or_sim;
 
 const WINDOW: usize = 64;
 
@@ -94,7 +98,7 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let (dev, sim, what) = device(&args);
+    let (dev, sim, what) = gpu_or_sim(args.sim, args.sim_gib << 30, args.costs);
     println!("{what}");
     let pool = match Pool::new(Arc::clone(&dev), args.config.clone()) {
         Ok(p) => p,
@@ -200,35 +204,4 @@ fn report(args: &Args, b: &Stats, a: &Stats, sim: Option<&SimDevice>) {
         mib(a.free_mapped_bytes),
         sim.map_or(String::new(), |s| format!("; the simulator holds {:.0} MiB", mib(s.committed_bytes()))),
     );
-}
-
-/// The GPU unless `--sim` or there is none; else the simulator, costed with `--costs`. The
-/// simulator's handle comes back too, for its own counts.
-fn device(args: &Args) -> (Arc<dyn Device>, Option<SimDevice>, String) {
-    let sim = || {
-        let costs = if args.costs { SimCosts::h200() } else { SimCosts::NONE };
-        let dev = SimDevice::builder(args.sim_gib << 30).costs(costs).build();
-        let what = if args.costs { "with H200 driver costs" } else { "no driver costs" };
-        (
-            Arc::new(dev.clone()) as Arc<dyn Device>,
-            Some(dev),
-            format!("simulated device ({} GiB, {what})", args.sim_gib),
-        )
-    };
-    if args.sim {
-        return sim();
-    }
-    #[cfg(feature = "cuda")]
-    match vrampool::CudaDevice::new(0) {
-        Ok(d) => {
-            let why = format!("CUDA device 0: {}", d.name());
-            return (Arc::new(d), None, why);
-        }
-        Err(e) => {
-            let (dev, s, why) = sim();
-            return (dev, s, format!("{why}: no CUDA GPU ({e})"));
-        }
-    }
-    #[allow(unreachable_code)]
-    sim()
 }
