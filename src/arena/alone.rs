@@ -69,7 +69,7 @@ impl AloneStream<'_> {
         self.arena.alloc(size)
     }
 
-    /// Free a block [`Alone::alloc`] gave; wholly free chunks beyond `keep` go back to the
+    /// Free a block [`AloneStream::alloc`] gave; wholly free chunks beyond `keep` go back to the
     /// space, as the pool's do.
     pub fn free(&self, addr: u64, size: u64) {
         let fence = fence_word(self.slot, self.seq.load(Ordering::Relaxed));

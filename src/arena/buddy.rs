@@ -128,7 +128,7 @@ impl Arena {
     /// An arena over `[base, base + range)` whose blocks merge only up to `1 << top_order`
     /// bytes (a *chunk*), holding nothing at first: chunks come and go whole with
     /// [`Arena::add_top`] and [`Arena::take_top`]. Same bounds on `base` and `range` as
-    /// [`Arena::new`]; `top_order` at least [`MIN_ORDER`] and at most log2(range).
+    /// [`Arena::new`]; `top_order` at least `MIN_ORDER` and at most log2(range).
     pub fn chunked(base: u64, range: u64, top_order: u32) -> Result<Arena, Error> {
         Arena::new_checked(base, range)?;
         if !(MIN_ORDER..=range.trailing_zeros()).contains(&top_order) {

@@ -2,9 +2,9 @@
 //! goes.
 //!
 //! A small block (under `large_block_threshold`) comes from the stream's own arena
-//! ([`StreamArena`]), which takes a 2 MiB chunk from the space when it has no room; a large
-//! block, and a chunk, come from the space's extents, first fit among the runs that the
-//! placement's [`Mode`] accepts:
+//! ([`StreamArena`](crate::arena::StreamArena)), which takes a 2 MiB chunk from the space when
+//! it has no room; a large block, and a chunk, come from the space's extents, first fit among
+//! the runs that the placement's [`Mode`] accepts:
 //!
 //! - [`Reuse`]: whose freed memory may be taken. A granule freed on the requesting stream,
 //!   or free for everyone, always; one freed on another stream when its fence's event is
