@@ -198,6 +198,7 @@ impl PoolInner {
         if got.is_some() {
             self.note_growth();
         }
+        self.bound_dormant();
         if got.is_some() && self.pages.mapped_bytes() > before && tracing::enabled!(tracing::Level::DEBUG) {
             // Why the pool grew: where the memory it held was when nothing fitted.
             let s = self.stats();

@@ -219,6 +219,20 @@ impl Mapper for Pager<'_> {
     }
 }
 
+/// The most dormant (lent) pages a pool keeps per page mapped. A loan leaves one, and only
+/// the last rung and `trim()` unmapped them, so a server that keeps lending gathered them
+/// without bound, and every placement judges each one it passes: 16 demo workers on an H100
+/// lent 21,500–25,100 pages in 15 s, and placing a large block took 157–273 µs; bounded
+/// here, 18–35 µs, and the workers' time in the ladder fell from 63 s to 19–21 s of 243
+/// (`docs/BENCHMARKS.md`, fourteenth session). Each page unmapped so is a driver call (25
+/// µs), and a page unmapped is one its memory can no longer come back through: a warm
+/// replay takes its memory back through its pages up to about 7.5 per mapped page
+/// (pipeline_side_stream), so below 8 the replays' warm passes unmap and map again (at 4,
+/// bert_dynamic's unmapped 0.5 GiB).
+pub(crate) const DORMANT_PER_MAPPED: u64 = 8;
+/// ... and at least this many, whatever it maps.
+const DORMANT_FLOOR: u64 = 256;
+
 /// Walks a placement makes when its claim lands on a lent page that another thread's
 /// placement got to first.
 const CLAIM_TRIES: usize = 3;
@@ -472,6 +486,26 @@ impl PoolInner {
     /// Unmap the lent pages no stream's work can touch any more (their memory stays where
     /// it was lent); returns the bytes unmapped.
     pub(crate) fn unmap_lent(&self) -> u64 {
+        self.unmap_lent_keep(0)
+    }
+
+    /// Keep the dormant pages within [`DORMANT_PER_MAPPED`] times the mapped ones: past that,
+    /// unmap the oldest (lowest: loans take fresh pages at the top of the mapped range) whose
+    /// work is done, down to three quarters of the bound, a driver call each. One thread at
+    /// a time; the others go on.
+    pub(crate) fn bound_dormant(&self) {
+        let page = self.pages.page_size();
+        let bound = (self.pages.mapped_bytes() / page * DORMANT_PER_MAPPED).max(DORMANT_FLOOR);
+        if self.pages.lent_pages() <= bound || self.bounding_dormant.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.unmap_lent_keep(bound / 4 * 3);
+        self.bounding_dormant.store(false, Ordering::Release);
+    }
+
+    /// Unmap lent pages as [`PoolInner::unmap_lent`] does, lowest first, until at most
+    /// `keep` remain.
+    fn unmap_lent_keep(&self, keep: u64) -> u64 {
         let mut accept = |from: u64, len: u64| self.may_unmap(from, len);
         let mut unmap = |page: u64, len: usize, freed: u64| {
             let r = Counters::timed(&self.counters.unmap_ns, || {
@@ -485,7 +519,7 @@ impl PoolInner {
             }
             r
         };
-        let n = self.pages.unmap_lent(&mut accept, &mut unmap);
+        let n = self.pages.unmap_lent(keep, &mut accept, &mut unmap);
         if n > 0 {
             tracing::debug!(bytes = n, "unmap lent pages")
         }

@@ -15,8 +15,11 @@
 //! memory went to is free, the memory comes back with no device call at all — the two pages
 //! swap roles (see [`PageMap::acquire`]). A workload that moves between a few layouts, as a
 //! server repeating its requests does, so keeps finding its memory where it needs it, and
-//! maps nothing once warm. Lent pages are unmapped only when memory is given back (trim),
-//! once no work queued on them remains.
+//! maps nothing once warm. Lent pages are unmapped, once no work queued on them remains,
+//! when memory is given back (trim), and oldest (lowest) first when they outnumber the
+//! mapped pages by the pool's bound ([`PageMap::unmap_lent`]'s `keep`): every placement
+//! judges each lent page it passes, so a server that keeps lending would otherwise slow down
+//! for as long as it runs.
 //!
 //! # Invariants
 //!
@@ -236,20 +239,22 @@ impl PageMap {
 
     /// Unmap the `LENT` pages that `accept(from, len)` says no work can touch any more (their
     /// memory stays with the page it serves; `unmap` is told how much memory goes back, as in
-    /// [`PageMap::unmap_free`]). Returns the bytes unmapped.
+    /// [`PageMap::unmap_free`]), lowest first, until at most `keep` remain. Returns the bytes
+    /// unmapped.
     pub fn unmap_lent(
         &self,
+        keep: u64,
         accept: &mut dyn FnMut(u64, u64) -> bool,
         unmap: &mut dyn FnMut(u64, usize, u64) -> Result<(), Error>,
     ) -> u64 {
-        if self.lent_pages() == 0 {
-            return 0;
-        }
         let page = self.page_size();
         let mut unmapped = 0;
         for c in 0..self.words.chunks() {
             let Some(chunk) = self.words.chunk(c) else { continue };
             for (j, w) in chunk.iter().enumerate() {
+                if self.lent_pages() <= keep {
+                    return unmapped;
+                }
                 let p = c * CHUNK + j;
                 if w.load(Ordering::Acquire) != LENT || !accept(self.page_addr(p), page) {
                     continue;

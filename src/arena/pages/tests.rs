@@ -254,7 +254,7 @@ fn loans_and_their_returns_racing_keep_each_memory_at_one_mapped_page() {
                         });
                     }
                     if r % 700 == 0 {
-                        m.unmap_lent(&mut |_, _| r % 1400 != 0, &mut |_, _, _| Ok(()));
+                        m.unmap_lent(0, &mut |_, _| r % 1400 != 0, &mut |_, _, _| Ok(()));
                     }
                 }
                 for q in held {
@@ -268,4 +268,42 @@ fn loans_and_their_returns_racing_keep_each_memory_at_one_mapped_page() {
     let mut mapped = 0;
     m.for_each_mapped(|_, _| mapped += P);
     assert_eq!(mapped + m.walk_lent_only(), m.mapped_bytes(), "each memory shows at one mapped page at most");
+}
+
+/// Lent pages go lowest first (the oldest: loans take fresh pages above the mapped ones), as
+/// many as bring them down to `keep`, skipping those the judge refuses; their memory stays
+/// where it was lent.
+#[test]
+fn unmapping_lent_pages_goes_lowest_first_down_to_what_it_keeps() {
+    struct LendOnly<'a>(&'a PageMap);
+    impl Mapper for LendOnly<'_> {
+        fn map(&mut self, addr: u64, len: usize) -> Result<Backing, Error> {
+            match self.0.lend(addr, len, &mut |_, _| true, &mut |_, _, _| Ok(())) {
+                true => Ok(Backing::Lent),
+                false => Err(Error::NotPermitted("nothing to lend")),
+            }
+        }
+        fn switch(&mut self, _from: u64, _to: u64) -> bool {
+            false
+        }
+    }
+    let m = PageMap::new(0, 8 * P, P).unwrap();
+    // Three pages mapped one call each (a run is never lent), then left free.
+    for p in 0..3 {
+        m.acquire(p * P, P, true, &mut |_, _| Ok(Backing::Fresh)).unwrap();
+    }
+    m.release(0, 3 * P);
+    for p in 5..8 {
+        m.acquire(p * P, P, true, &mut LendOnly(&m)).unwrap();
+    }
+    assert_eq!(m.lent_pages(), 3);
+    let no_memory_freed = &mut |_: u64, _: usize, freed: u64| {
+        assert_eq!(freed, 0, "a lent page's memory still serves its block");
+        Ok(())
+    };
+    assert_eq!(m.unmap_lent(2, &mut |_, _| true, no_memory_freed), P);
+    assert!(!m.is_lent(0) && m.is_lent(P) && m.is_lent(2 * P), "the lowest went first");
+    assert_eq!(m.unmap_lent(0, &mut |from, _| from != P, no_memory_freed), P);
+    assert!(m.is_lent(P) && !m.is_lent(2 * P), "a refused page stays, the next goes");
+    assert_eq!(m.mapped_bytes(), 3 * P);
 }
