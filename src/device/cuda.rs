@@ -69,13 +69,19 @@ use loader::{check, describe, driver_error, driver_present};
 use spin::SpinKernel;
 
 /// Most events kept for reuse per device (see the module docs); beyond it a dropped event is
-/// destroyed.
-const SPARE_EVENTS: usize = 1024;
+/// destroyed. At least the most a busy server holds at once, or every event past the list is
+/// destroyed at its drop and created again at the next burst: with 1,024 spares, 16 demo
+/// workers on an H100 created 4,200–4,700 events in 15 s, and those creations and
+/// destructions were most of the time their frees took (81–91 s of the workers' 243;
+/// `docs/BENCHMARKS.md`, fourteenth session).
+const SPARE_EVENTS: usize = 16384;
 
 /// Events created when the device opens, before any thread is busy on it, so that the first
 /// bursts of batches and `record_stream` frees find spares instead of calling
-/// `cuEventCreate` while other threads hold the driver (module docs).
-const STOCKED_EVENTS: usize = 512;
+/// `cuEventCreate` while other threads hold the driver (module docs). The 16-worker demo
+/// holds about 5,000 at its busiest; with 8,192 stocked it created none, and its workers'
+/// time freeing fell from 81–91 s to 0.2 s.
+const STOCKED_EVENTS: usize = 8192;
 
 /// A CUDA GPU, on its primary context. Cheap to clone: clones are the same device.
 #[derive(Clone)]
