@@ -224,11 +224,11 @@ impl Mapper for Pager<'_> {
 /// without bound, and every placement judges each one it passes: 16 demo workers on an H100
 /// lent 21,500–25,100 pages in 15 s, and placing a large block took 157–273 µs; bounded
 /// here, 18–35 µs, and the workers' time in the ladder fell from 63 s to 19–21 s of 243
-/// (`docs/BENCHMARKS.md`, fourteenth session). Each page unmapped so is a driver call (25
-/// µs), and a page unmapped is one its memory can no longer come back through: a warm
-/// replay takes its memory back through its pages up to about 7.5 per mapped page
-/// (pipeline_side_stream), so below 8 the replays' warm passes unmap and map again (at 4,
-/// bert_dynamic's unmapped 0.5 GiB).
+/// (`docs/BENCHMARKS.md`, fourteenth session). Each page unmapped so is a driver call (about
+/// 20 µs), and one its memory can no longer come back through: pipeline_side_stream's warm
+/// replay gathers up to about 7.5 per mapped page and takes memory back through them, and
+/// at 4 the replays' warm passes began to unmap and map again (bert_dynamic 0.5 GiB); at 8
+/// every replay maps and unmaps exactly what it did unbounded.
 pub(crate) const DORMANT_PER_MAPPED: u64 = 8;
 /// ... and at least this many, whatever it maps.
 const DORMANT_FLOOR: u64 = 256;
@@ -492,7 +492,8 @@ impl PoolInner {
     /// Keep the dormant pages within [`DORMANT_PER_MAPPED`] times the mapped ones: past that,
     /// unmap the oldest (lowest: loans take fresh pages at the top of the mapped range) whose
     /// work is done, down to three quarters of the bound, a driver call each. One thread at
-    /// a time; the others go on.
+    /// a time, the others going on (unmapping lent pages is safe from any number of threads,
+    /// as `trim()` and the last rung do: the flag only spares them the walk).
     pub(crate) fn bound_dormant(&self) {
         let page = self.pages.page_size();
         let bound = (self.pages.mapped_bytes() / page * DORMANT_PER_MAPPED).max(DORMANT_FLOOR);
