@@ -30,11 +30,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use vrampool::replay::{interleave, replay_sim, replay_with, ReplayOptions, Report, Trace};
-use vrampool::{Device, SimCosts, SimDevice};
+use vrampool::{Device, SimDevice};
 
 #[path = "../benches/support/bestfit.rs"]
 mod bestfit;
 use bestfit::BestFit;
+
+#[path = "support/device.rs"]
+mod device;
+use device::gpu_or_sim;
 
 fn load(path: &str) -> Result<Trace, Box<dyn std::error::Error>> {
     let file = std::fs::File::open(path)?;
@@ -120,40 +124,16 @@ fn parse_args() -> Args {
     a
 }
 
-/// The device: the GPU unless `--sim` or there is none; else the simulator, costed with
-/// `--costs`.
+/// The device: the GPU unless `--sim` or there is none; else the simulator (160 GiB),
+/// costed with `--costs`, whose replays read its own counts.
 enum Dev {
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     Gpu(Arc<dyn Device>),
     Sim(SimDevice),
 }
 
 fn device(args: &Args) -> (Dev, String) {
-    let sim = || {
-        let costs = if args.costs { SimCosts::h200() } else { SimCosts::NONE };
-        let dev = SimDevice::builder(160 << 30).costs(costs).build();
-        let what = if args.costs { "with H200 driver costs" } else { "no driver costs" };
-        (Dev::Sim(dev), format!("simulated device (160 GiB, {what})"))
-    };
-    if args.sim {
-        return sim();
-    }
-    #[cfg(feature = "cuda")]
-    match vrampool::CudaDevice::new(0) {
-        Ok(d) => {
-            if args.costs {
-                eprintln!("--costs applies to the simulator only: a GPU spends its own");
-            }
-            let why = format!("CUDA device 0: {}", d.name());
-            return (Dev::Gpu(Arc::new(d)), why);
-        }
-        Err(e) => {
-            let (dev, why) = sim();
-            return (dev, format!("{why}: no CUDA GPU ({e})"));
-        }
-    }
-    #[allow(unreachable_code)]
-    sim()
+    let (gpu, sim, why) = gpu_or_sim(args.sim, 160 << 30, args.costs);
+    (sim.map_or(Dev::Gpu(gpu), Dev::Sim), why)
 }
 
 fn mib(b: u64) -> f64 {

@@ -321,7 +321,7 @@ impl PoolInner {
             }
         }
         self.settle();
-        self.unmap_lent();
+        self.unmap_lent(0);
         self.unmap_free(0);
         Ok(())
     }

@@ -127,7 +127,7 @@ impl PoolInner {
             // queued on it done.
             let waited = self.host_wait(|_| true);
             let released = self.reclaim_held(true);
-            self.unmap_lent();
+            self.unmap_lent(0);
             self.unmap_free(0);
             if let Some(a) = self.place(st, size, Self::ALLOWED)? {
                 return Ok(a);

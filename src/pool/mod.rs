@@ -699,7 +699,7 @@ impl Drop for PoolInner {
             }
         }
         self.settle();
-        self.unmap_lent();
+        self.unmap_lent(0);
         self.unmap_free(0);
         if self.pages.mapped_bytes() == 0 && self.pages.lent_pages() == 0 {
             // SAFETY: no page is mapped, and every stream that used the range is synchronized.

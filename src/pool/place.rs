@@ -229,7 +229,7 @@ impl Mapper for Pager<'_> {
 /// replay gathers up to about 7.5 per mapped page and takes memory back through them, and
 /// at 4 the replays' warm passes began to unmap and map again (bert_dynamic 0.5 GiB); at 8
 /// every replay maps and unmaps exactly what it did unbounded.
-pub(crate) const DORMANT_PER_MAPPED: u64 = 8;
+const DORMANT_PER_MAPPED: u64 = 8;
 /// ... and at least this many, whatever it maps.
 const DORMANT_FLOOR: u64 = 256;
 
@@ -483,12 +483,6 @@ impl PoolInner {
         lent
     }
 
-    /// Unmap the lent pages no stream's work can touch any more (their memory stays where
-    /// it was lent); returns the bytes unmapped.
-    pub(crate) fn unmap_lent(&self) -> u64 {
-        self.unmap_lent_keep(0)
-    }
-
     /// Keep the dormant pages within [`DORMANT_PER_MAPPED`] times the mapped ones: past that,
     /// unmap the oldest (lowest: loans take fresh pages at the top of the mapped range) whose
     /// work is done, down to three quarters of the bound, a driver call each. One thread at
@@ -500,13 +494,13 @@ impl PoolInner {
         if self.pages.lent_pages() <= bound || self.bounding_dormant.swap(true, Ordering::AcqRel) {
             return;
         }
-        self.unmap_lent_keep(bound / 4 * 3);
+        self.unmap_lent(bound / 4 * 3);
         self.bounding_dormant.store(false, Ordering::Release);
     }
 
-    /// Unmap lent pages as [`PoolInner::unmap_lent`] does, lowest first, until at most
-    /// `keep` remain.
-    fn unmap_lent_keep(&self, keep: u64) -> u64 {
+    /// Unmap the lent pages no stream's work can touch any more (their memory stays where
+    /// it was lent), lowest first, until at most `keep` remain; returns the bytes unmapped.
+    pub(crate) fn unmap_lent(&self, keep: u64) -> u64 {
         let mut accept = |from: u64, len: u64| self.may_unmap(from, len);
         let mut unmap = |page: u64, len: usize, freed: u64| {
             let r = Counters::timed(&self.counters.unmap_ns, || {
