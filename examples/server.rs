@@ -333,12 +333,15 @@ fn main() {
         stats.peak_reserved_bytes as f64 / peak_live.max(1) as f64
     );
     println!(
-        "pool: T0 hits {:.3}, T1 hits {:.3}, {} ladder maps, {} host waits, {} device waits, {} ooms",
+        "pool: T0 hits {:.3}, T1 hits {:.3}, {} ladder maps, {} host waits, {} device waits \
+         ({} reuses covered by earlier ones), {} events recorded, {} ooms",
         stats.t0_hit_rate(),
         stats.t1_hit_rate(),
         stats.ladder_maps,
         stats.ladder_waits,
         stats.device_waits,
+        stats.covered_reuses,
+        stats.events_recorded,
         stats.ooms,
     );
     println!(

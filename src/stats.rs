@@ -50,6 +50,10 @@ pub struct Stats {
     /// Large blocks and chunks placed on memory the requesting stream had freed itself
     /// (reused at once, with no event).
     pub same_stream_reuses: u64,
+    /// Large blocks and chunks placed on memory another stream freed, taken at once because
+    /// this stream had already been made to wait on the device for the work that freed it
+    /// (an earlier device wait covers it: no new wait, no event).
+    pub covered_reuses: u64,
     /// Events recorded: when another stream needed a stream's fences resolved, at stream
     /// destruction, and one per stream for `record_stream` blocks.
     pub events_recorded: u64,
@@ -141,6 +145,7 @@ pub(crate) struct Counters {
     pub live_blocks: AtomicU64,
     pub allocs: AtomicU64,
     pub same_stream_reuses: AtomicU64,
+    pub covered_reuses: AtomicU64,
     pub events_recorded: AtomicU64,
     pub batches_retired: AtomicU64,
     pub device_waits: AtomicU64,

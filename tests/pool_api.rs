@@ -183,6 +183,44 @@ fn a_block_used_on_a_busy_stream_serves_the_next_request_behind_a_device_wait() 
 }
 
 #[test]
+fn once_a_stream_has_waited_for_another_the_memory_freed_before_that_wait_is_ready_for_it() {
+    // Two large blocks freed on a stalled stream `t`: the first request of `s` takes one
+    // behind a device wait; the second takes the other at once, with no second wait, since
+    // the first already put `s` after that work. And `s`'s work still waits for `t`'s.
+    // (Blocks of 16 MiB: fewer bytes freed than make the pool record an event on its own,
+    // so both frees are fenced by the same event.)
+    let (dev, pool, s) = pool(1 << 30);
+    let t = dev.new_stream().unwrap();
+    const BIG: usize = 16 << 20;
+    let a1 = pool.alloc(BIG, &t).unwrap();
+    let a2 = pool.alloc(BIG, &t).unwrap();
+    let tx = stalled(&dev, &t);
+    let addrs = [a1.device_ptr(), a2.device_ptr()];
+    drop((a1, a2));
+    let before = pool.stats();
+    let b1 = pool.alloc(BIG, &s).unwrap();
+    let first = pool.stats();
+    assert!(addrs.contains(&b1.device_ptr()), "the memory `t` freed, not new pages ({first:?})");
+    assert_eq!(first.device_waits, before.device_waits + 1, "`s` waits for `t` on the device");
+    let b2 = pool.alloc(BIG, &s).unwrap();
+    let second = pool.stats();
+    assert!(addrs.contains(&b2.device_ptr()), "the other block `t` freed ({second:?})");
+    assert_eq!(second.device_waits, first.device_waits, "no second wait");
+    assert_eq!(second.covered_reuses, first.covered_reuses + 1, "taken as covered by the first wait");
+    assert_eq!(second.reserved_bytes, before.reserved_bytes, "no page mapped");
+    let ran = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = ran.clone();
+    dev.enqueue(&s, move || flag.store(true, std::sync::atomic::Ordering::Release)).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert!(!ran.load(std::sync::atomic::Ordering::Acquire), "ran before `t`'s work");
+    drop(tx);
+    dev.synchronize(&s).unwrap();
+    assert!(ran.load(std::sync::atomic::Ordering::Acquire));
+    drop((b1, b2));
+    all_given_back(&pool);
+}
+
+#[test]
 fn a_small_block_of_another_stream_queued_first_does_not_hold_back_a_large_one() {
     // Only its own stream may take a small `record_stream` block before its events complete
     // (its memory goes back to that stream's chunk); a large one any stream may. Queued

@@ -59,10 +59,12 @@ pub fn tier_table(s: &Stats) -> String {
         (
             "T3 arena",
             format!(
-                "{misses} misses ({}), {} same-stream reuses, {} device waits, {} free in streams' chunks",
+                "{misses} misses ({}), {} same-stream reuses, {} device waits ({} reuses covered by \
+                 earlier ones), {} free in streams' chunks",
                 pct(misses, s.allocs),
                 s.same_stream_reuses,
                 s.device_waits,
+                s.covered_reuses,
                 mib(s.stream_free_bytes)
             ),
         ),

@@ -3,7 +3,8 @@
 //! later event), a cross-stream take through a device wait (the event waited on covers the
 //! free), a poller racing the device's completion of events, and the retire/event handoff
 //! of blocks used on several streams (released by a poller, or taken early behind a device
-//! wait), and a free racing the stream's final event.
+//! wait), a free racing the stream's final event, and placements for one stream that trust
+//! each other's device waits (`Waited`).
 //!
 //! A stream is modelled by its queue: an atomic counter whose `fetch_add` is an enqueue
 //! (the driver's queue lock orders enqueues the same way) and returns the position; an
@@ -18,6 +19,7 @@ use loom::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use loom::sync::Arc;
 use loom::thread;
 use vrampool::reclaim::fence::FenceLog;
+use vrampool::reclaim::waited::Waited;
 use vrampool::reclaim::{Retire, Span};
 
 /// A fake event: where in its stream's queue it was recorded, and whether the "GPU" has
@@ -275,5 +277,52 @@ fn a_retiring_batch_taken_early_goes_once_and_only_behind_a_device_wait() {
             &h.pin(),
         );
         assert_eq!(race.finish(&h, n), 1, "the span released exactly once");
+    });
+}
+
+/// What a model stream's queue holds, in the order the "driver" took the items.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Item {
+    /// A device wait on the other stream's event of this number.
+    Wait(u64),
+    /// Work using memory the other stream freed under a fence of this number.
+    Use(u64),
+}
+
+/// Two placements for stream S take memory that stream T freed, each under its own fence,
+/// and each needs S ordered after T's event covering it: the first sets up a wait on event
+/// 2 of T (covering fences 1 and 2), the second needs fence 2. A placement that finds the
+/// wait already noted enqueues its work with no wait of its own. Whatever the interleaving,
+/// every use in S's queue comes after a wait that covers it. (Make `Waited::wait` note the
+/// wait before it calls `enqueue` and loom finds a use ahead of its wait.)
+#[test]
+fn a_wait_is_relied_on_only_once_it_is_enqueued() {
+    const T: u32 = 1;
+    loom::model(|| {
+        let waited = Arc::new(Waited::default());
+        // S's queue: the driver's lock orders enqueues, as the mutex does here.
+        let queue = Arc::new(loom::sync::Mutex::new(Vec::new()));
+        let place = |waited: &Waited, queue: &loom::sync::Mutex<Vec<Item>>, fence: u64, covering: u64| {
+            if !waited.covers(T, fence) {
+                assert!(waited.wait(T, covering, || {
+                    queue.lock().unwrap().push(Item::Wait(covering));
+                    true
+                }));
+            }
+            queue.lock().unwrap().push(Item::Use(fence));
+        };
+        let other = {
+            let (waited, queue) = (waited.clone(), queue.clone());
+            thread::spawn(move || place(&waited, &queue, 1, 2))
+        };
+        place(&waited, &queue, 2, 2);
+        other.join().unwrap();
+        let items = queue.lock().unwrap().clone();
+        for (i, item) in items.iter().enumerate() {
+            if let Item::Use(fence) = *item {
+                let behind = items[..i].iter().any(|w| matches!(*w, Item::Wait(e) if e >= fence));
+                assert!(behind, "work on memory fenced {fence} ran with no wait before it: {items:?}");
+            }
+        }
     });
 }

@@ -116,6 +116,7 @@ impl PoolInner {
             t1_hits: t1,
             thread_caches: caches.len() as u64,
             same_stream_reuses: Counters::get(&c.same_stream_reuses),
+            covered_reuses: Counters::get(&c.covered_reuses),
             events_recorded: Counters::get(&c.events_recorded),
             batches_retired: Counters::get(&c.batches_retired),
             device_waits: Counters::get(&c.device_waits),

@@ -5,8 +5,9 @@
 //! request; the host waits only as the last step before out-of-memory:
 //!
 //! 1. **Ready memory on mapped pages**: the stream's own free memory (stream order makes it
-//!    safe at once), memory free for everyone, and memory other streams freed whose fence's
-//!    event is complete.
+//!    safe at once), memory free for everyone, memory other streams freed whose fence's
+//!    event is complete, and memory an earlier device wait of this stream already covers
+//!    (stream order again: `crate::reclaim::waited`).
 //! 2. **Settle**: poll every stream's events and the queue of blocks used on several
 //!    streams; try again.
 //! 3. **This stream's caches**: this thread's cache for the stream and the stream's depots

@@ -147,7 +147,9 @@ pub struct PoolConfig {
     /// (`stream_wait_event`), as `cuMemAllocAsync` does with
     /// `cudaMemPoolReuseAllowInternalDependencies`. Only where the pool would otherwise map
     /// past its peak. Default true: the footprint of a busy server does not grow with how far
-    /// its GPU runs behind. False keeps streams independent at the cost of memory.
+    /// its GPU runs behind. A stream remembers the waits it made, and memory they cover is
+    /// then ready for it on every rung with no further wait. False keeps streams independent
+    /// at the cost of memory.
     pub cross_stream_waits: bool,
     /// Bytes mapped when the pool is made and kept mapped through `trim()` and the release
     /// threshold (a floor), so that the first requests pay no mapping. Default 0. What the

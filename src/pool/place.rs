@@ -8,8 +8,11 @@
 //!
 //! - [`Reuse`]: whose freed memory may be taken. A granule freed on the requesting stream,
 //!   or free for everyone, always; one freed on another stream when its fence's event is
-//!   complete ([`Reuse::Ready`]), or also when it is not, with the requesting stream made to
-//!   wait on that event on the device ([`Reuse::Wait`]).
+//!   complete or an earlier device wait of the requesting stream covers it
+//!   ([`Reuse::Ready`]), or also when neither holds, with the requesting stream made to wait
+//!   on that event on the device ([`Reuse::Wait`]). A wait is remembered
+//!   ([`crate::reclaim::waited`]) because it orders the stream for good: the memory it
+//!   covers needs nothing more.
 //! - [`Mapping`]: whether the block may land on unmapped pages, and up to what: none
 //!   (prefer memory already mapped), the pool's peak, or `max_reserved`.
 //!
@@ -39,6 +42,7 @@ use super::{PoolInner, StreamState};
 use crate::arena::pages::{Backing, Mapper};
 use crate::arena::{fence_parts, fence_word, Acquire, CHUNK, GRANULE};
 use crate::error::{Error, OutOfMemory, Result};
+use crate::reclaim::waited::Waited;
 use crate::reclaim::Span;
 use crate::stats::Counters;
 use crate::sync::atomic::Ordering;
@@ -52,7 +56,8 @@ pub const KEEP_FREE_CHUNKS: usize = 2;
 /// Whose freed memory a placement may take (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Reuse {
-    /// The stream's own, everyone's, and other streams' whose fence is complete.
+    /// The stream's own, everyone's, and other streams' whose fence is complete or covered
+    /// by a device wait the stream made earlier.
     Ready,
     /// Also other streams' whose fence is not complete, behind a device-side wait.
     Wait,
@@ -85,6 +90,8 @@ impl Mode {
 struct Judge<'a> {
     pool: &'a PoolInner,
     me: u32,
+    /// What the stream has already been made to wait for on the device.
+    waited: &'a Waited,
     reuse: Reuse,
     reg: arc_swap::Guard<Arc<Registry>>,
     /// The last fence word judged and the verdict (runs of granules share one).
@@ -93,11 +100,23 @@ struct Judge<'a> {
     waits: Vec<(u32, u64)>,
     /// Whether a granule this stream freed itself was taken.
     own: bool,
+    /// Whether a granule was taken because an earlier device wait of this stream covers it.
+    covered: bool,
 }
 
 impl<'a> Judge<'a> {
-    fn new(pool: &'a PoolInner, me: u32, reuse: Reuse) -> Judge<'a> {
-        Judge { pool, me, reuse, reg: pool.registry.load(), memo: None, waits: Vec::new(), own: false }
+    fn new(pool: &'a PoolInner, st: &'a StreamState, reuse: Reuse) -> Judge<'a> {
+        Judge {
+            pool,
+            me: st.slot,
+            waited: &st.waited,
+            reuse,
+            reg: pool.registry.load(),
+            memo: None,
+            waits: Vec::new(),
+            own: false,
+            covered: false,
+        }
     }
 
     /// Judge afresh every fence of `[addr, addr + len)`: true if all may be taken (the
@@ -106,6 +125,7 @@ impl<'a> Judge<'a> {
         self.waits.clear();
         self.memo = None;
         self.own = false;
+        self.covered = false;
         let mut ok = true;
         self.pool.space.fences(addr, len, |_, _, w| {
             ok = self.fence_ok(w);
@@ -141,6 +161,11 @@ impl<'a> Judge<'a> {
         if entry.fence.is_complete(seq) {
             return true;
         }
+        if self.waited.covers(slot, seq) {
+            // Stream order already puts this stream after that work: ready as its own is.
+            self.covered = true;
+            return true;
+        }
         if self.reuse != Reuse::Wait || !self.pool.config.cross_stream_waits {
             return false;
         }
@@ -158,8 +183,14 @@ impl<'a> Judge<'a> {
         let dev = &self.pool.device;
         for &(slot, seq) in &self.waits {
             let Some(entry) = self.reg.slots.get(slot as usize - 1) else { return false };
-            let wait = |ev: &crate::device::Event| dev.stream_wait_event(&st.stream, ev).is_ok();
-            let waited = match entry.fence.covering(seq, wait, &guard) {
+            if st.waited.covers(slot, seq) {
+                // Another placement for this stream set up such a wait meanwhile.
+                continue;
+            }
+            let wait = |n: u64, ev: &crate::device::Event| {
+                st.waited.wait(slot, n, || dev.stream_wait_event(&st.stream, ev).is_ok())
+            };
+            let waited = match entry.fence.covering_numbered(seq, wait, &guard) {
                 Some(ok) => ok,
                 None if entry.fence.is_complete(seq) => continue,
                 None => {
@@ -167,7 +198,7 @@ impl<'a> Judge<'a> {
                         return false;
                     }
                     // A poller may have seen the new event complete (and dropped it) already.
-                    entry.fence.covering(seq, wait, &guard).unwrap_or_else(|| entry.fence.is_complete(seq))
+                    entry.fence.covering_numbered(seq, wait, &guard).unwrap_or_else(|| entry.fence.is_complete(seq))
                 }
             };
             if !waited {
@@ -241,7 +272,7 @@ impl PoolInner {
     /// Whether `st` may take back the memory of the page at `from` (lent pages' memory,
     /// serving there now and free): every fence on it lets `st` reuse it at once.
     fn switch_allowed(&self, st: &StreamState, from: u64) -> bool {
-        Judge::new(self, st.slot, Reuse::Ready).accepts(from, self.pages.page_size())
+        Judge::new(self, st, Reuse::Ready).accepts(from, self.pages.page_size())
     }
 
     /// Place `size` bytes (as `Space::size_for` gives) for `st`'s stream: the address, or None
@@ -290,7 +321,7 @@ impl PoolInner {
     /// A run of the space for `st` (a large block of `size` bytes, or a chunk), its pages
     /// taken and any device wait it needs set up.
     fn claim_extent(&self, st: &StreamState, size: u64, chunk: bool, mode: Mode) -> Result<Option<u64>> {
-        let mut judge = Judge::new(self, st.slot, mode.reuse);
+        let mut judge = Judge::new(self, st, mode.reuse);
         let page = self.pages.page_size();
         let pages = &self.pages;
         // Past a refused page, the pages after it that no block could use now either (lent
@@ -439,6 +470,9 @@ impl PoolInner {
         if held.own {
             Counters::bump(&self.counters.same_stream_reuses, 1);
         }
+        if held.covered {
+            Counters::bump(&self.counters.covered_reuses, 1);
+        }
         Ok(Some(addr))
     }
 
@@ -450,9 +484,9 @@ impl PoolInner {
     /// wait where the pool allows them (a loan may have set up the same wait already: a
     /// second one costs nothing); else the placement fails. The judge, with the waits to
     /// set up, or None.
-    fn judge_held(&self, st: &StreamState, addr: u64, size: u64, reuse: Reuse) -> Option<Judge<'_>> {
+    fn judge_held<'a>(&'a self, st: &'a StreamState, addr: u64, size: u64, reuse: Reuse) -> Option<Judge<'a>> {
         let reuse = if self.config.cross_stream_waits { Reuse::Wait } else { reuse };
-        let mut judge = Judge::new(self, st.slot, reuse);
+        let mut judge = Judge::new(self, st, reuse);
         judge.accepts(addr, size).then_some(judge)
     }
 
@@ -473,7 +507,7 @@ impl PoolInner {
         // page other streams' work still uses, with `st` made to wait for that work on the
         // device (set up before the memory is shown at `to`, so `st`'s use comes after).
         let lent = [Reuse::Ready, Reuse::Wait].into_iter().any(|reuse| {
-            let mut judge = Judge::new(self, st.slot, reuse);
+            let mut judge = Judge::new(self, st, reuse);
             let mut accept = |from: u64, l: u64| judge.accepts(from, l) && (judge.waits.is_empty() || judge.settle(st));
             self.pages.lend(to, len, &mut accept, &mut alias)
         });

@@ -21,6 +21,7 @@ use crate::class;
 use crate::device::{Event, Stream, StreamId};
 use crate::error::{Error, Result};
 use crate::reclaim::fence::FenceLog;
+use crate::reclaim::waited::Waited;
 use crate::stats::Counters;
 use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::epoch;
@@ -43,6 +44,9 @@ pub(crate) struct StreamState {
     pub(crate) arena: StreamArena,
     /// Which of the stream's events are complete, and the fence a free gets now.
     pub(crate) fence: Arc<FenceLog<Event>>,
+    /// What the stream has been made to wait for on the device: memory those waits cover
+    /// is ready for it.
+    pub(crate) waited: Waited,
     /// Set once the stream is destroyed: frees then get its final event's fence.
     pub(crate) destroyed: AtomicBool,
     /// Bytes and blocks freed to the arena since the stream's last event (see
@@ -135,6 +139,7 @@ impl PoolInner {
                 .collect(),
             arena: StreamArena::new(max_chunks)?,
             fence: Arc::new(FenceLog::new()),
+            waited: Waited::default(),
             destroyed: AtomicBool::new(false),
             since_event: AtomicU64::new(0),
         })

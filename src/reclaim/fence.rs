@@ -161,12 +161,18 @@ impl<E: Send + Sync> FenceLog<E> {
     /// Run `f` on the oldest recorded event whose number is `seq` or more (one that covers
     /// every free stamped `seq` or less), if there is one.
     pub fn covering<R>(&self, seq: u64, f: impl FnOnce(&E) -> R, guard: &Guard) -> Option<R> {
+        self.covering_numbered(seq, |_, e| f(e), guard)
+    }
+
+    /// As [`FenceLog::covering`], with the event's own number passed to `f` too (a stream
+    /// made to wait on it is ordered after every free stamped that number or less).
+    pub fn covering_numbered<R>(&self, seq: u64, f: impl FnOnce(u64, &E) -> R, guard: &Guard) -> Option<R> {
         let seq = self.bounded(seq);
         let mut found = None;
         self.events.for_each(
             |r| {
                 if found.is_none() && r.seq >= seq {
-                    found = Some(&r.event as *const E);
+                    found = Some((r.seq, &r.event as *const E));
                 }
             },
             guard,
@@ -174,7 +180,7 @@ impl<E: Send + Sync> FenceLog<E> {
         // SAFETY: the event lives in a queue node that the guard keeps from being reclaimed
         // (a popped node is destroyed only once every thread pinned at the time has
         // unpinned), and items are only ever read in place.
-        found.map(|e| f(unsafe { &*e }))
+        found.map(|(n, e)| f(n, unsafe { &*e }))
     }
 
     /// Run `f` on the oldest recorded event not yet seen complete, if any.

@@ -5,6 +5,8 @@
 //!   another stream once that event is complete, or once the other stream waits on it on
 //!   the device. Events are recorded only when another stream needs one, so one event
 //!   covers every free on its stream before it.
+//! - [`waited`]: what each stream has already been made to wait for on the device, so that
+//!   memory those waits cover is ready for it with no further wait.
 //! - [`Retire`]: blocks used on several streams (`record_stream`) wait, each behind one
 //!   event per stream it was used on, in a queue of [`Batch`]es; pollers test the oldest
 //!   batch's events and stop at the first incomplete one.
@@ -16,6 +18,7 @@
 pub mod fence;
 pub mod fifo;
 pub mod stack;
+pub mod waited;
 
 pub use fifo::Fifo;
 pub use stack::{Chain, Stack};
