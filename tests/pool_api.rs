@@ -26,6 +26,20 @@ fn stalled(dev: &SimDevice, stream: &Stream) -> std::sync::mpsc::Sender<()> {
     tx
 }
 
+/// Work enqueued on `stream` now runs only once the stalled stream behind `tx` is released:
+/// `stream` waits for it on the device.
+fn runs_only_after_release(dev: &SimDevice, stream: &Stream, tx: std::sync::mpsc::Sender<()>, what: &str) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let ran = std::sync::Arc::new(AtomicBool::new(false));
+    let flag = ran.clone();
+    dev.enqueue(stream, move || flag.store(true, Ordering::Release)).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert!(!ran.load(Ordering::Acquire), "ran before {what}");
+    drop(tx);
+    dev.synchronize(stream).unwrap();
+    assert!(ran.load(Ordering::Acquire));
+}
+
 #[test]
 fn blocks_are_aligned_exact_and_accounted() {
     let (_dev, pool, s) = pool(1 << 30);
@@ -170,14 +184,7 @@ fn a_block_used_on_a_busy_stream_serves_the_next_request_behind_a_device_wait() 
     assert_eq!(st.reserved_bytes, BIG as u64, "no page mapped for the second block");
     assert!(st.device_waits > waits, "the stream waits for the copy stream on the device");
     // Work on `s` after the new block runs only once the copy stream is past the old use.
-    let ran = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let flag = ran.clone();
-    dev.enqueue(&s, move || flag.store(true, std::sync::atomic::Ordering::Release)).unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(50));
-    assert!(!ran.load(std::sync::atomic::Ordering::Acquire), "ran before the copy stream's work");
-    drop(tx);
-    dev.synchronize(&s).unwrap();
-    assert!(ran.load(std::sync::atomic::Ordering::Acquire));
+    runs_only_after_release(&dev, &s, tx, "the copy stream's work");
     drop(b);
     all_given_back(&pool);
 }
@@ -208,14 +215,7 @@ fn once_a_stream_has_waited_for_another_the_memory_freed_before_that_wait_is_rea
     assert_eq!(second.device_waits, first.device_waits, "no second wait");
     assert_eq!(second.covered_reuses, first.covered_reuses + 1, "taken as covered by the first wait");
     assert_eq!(second.reserved_bytes, before.reserved_bytes, "no page mapped");
-    let ran = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let flag = ran.clone();
-    dev.enqueue(&s, move || flag.store(true, std::sync::atomic::Ordering::Release)).unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(50));
-    assert!(!ran.load(std::sync::atomic::Ordering::Acquire), "ran before `t`'s work");
-    drop(tx);
-    dev.synchronize(&s).unwrap();
-    assert!(ran.load(std::sync::atomic::Ordering::Acquire));
+    runs_only_after_release(&dev, &s, tx, "`t`'s work");
     drop((b1, b2));
     all_given_back(&pool);
 }
