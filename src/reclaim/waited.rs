@@ -4,10 +4,11 @@
 //! the other stream's work up to the event, for good: stream order is transitive. So once
 //! stream S has waited on stream T's event number `n`, memory that T freed under a fence of
 //! `n` or less is as safe for S as memory S freed itself, and a placement for S may take it
-//! at once, with no event polled and no second wait. In a server whose workers take memory
-//! from each other's streams, most waits a placement would set up are of this kind (the
-//! `server` example on the simulator: about four in five), and under a busy driver each
-//! costs an event record and a wait, around a millisecond apiece.
+//! at once, with no event polled and no second wait. Where a stream takes memory that another
+//! freed a while before, most waits a placement would set up are of this kind (the `server`
+//! example: five to six in seven, on the simulator and on an H200), and under a busy driver
+//! each costs an event record and a wait. Where it takes memory freed since its last wait
+//! (the demo, whose streams record an event every 64 frees) a new wait is still needed.
 //!
 //! # Invariants
 //!
