@@ -33,6 +33,7 @@
 mod block;
 mod books;
 mod cross;
+mod dormant;
 mod giveback;
 mod ladder;
 mod leaks;
@@ -244,8 +245,8 @@ pub(crate) struct PoolInner {
     /// when the peak rises by a growth step (ladder rung 7), and each cache, seeing it moved
     /// at its owner's next slow path, gives back what it holds beyond its keep (`local`).
     pub(crate) shed_peak: AtomicU64,
-    /// A thread is unmapping dormant pages beyond their bound (`place::bound_dormant`).
-    pub(crate) bounding_dormant: crate::sync::atomic::AtomicBool,
+    /// The bound on dormant pages (module `dormant`).
+    pub(crate) dormant: dormant::Dormant,
     pages: CachePadded<PageMap>,
     /// The bound on every cache together.
     pub(crate) cache_budget: crate::sync::Arc<Budget>,
@@ -352,7 +353,7 @@ impl Pool {
             deferred_cross: crate::reclaim::Stack::new(),
             counters: CachePadded::new(Counters::default()),
             shed_peak: AtomicU64::new(0),
-            bounding_dormant: crate::sync::atomic::AtomicBool::new(false),
+            dormant: dormant::Dormant::default(),
             sites,
         });
         let pool = Pool { _handle: Arc::new(LastHandle(Arc::clone(&inner))), inner };

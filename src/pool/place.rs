@@ -250,20 +250,6 @@ impl Mapper for Pager<'_> {
     }
 }
 
-/// The most dormant (lent) pages a pool keeps per page mapped. A loan leaves one, and only
-/// the last rung and `trim()` unmapped them, so a server that keeps lending gathered them
-/// without bound, and every placement judges each one it passes: 16 demo workers on an H100
-/// lent 21,500–25,100 pages in 15 s, and placing a large block took 157–273 µs; bounded
-/// here, 18–35 µs, and the workers' time in the ladder fell from 63 s to 19–21 s of 243
-/// (`docs/BENCHMARKS.md`, fourteenth session). Each page unmapped so is a driver call (about
-/// 20 µs), and one its memory can no longer come back through: pipeline_side_stream's warm
-/// replay gathers up to about 7.5 per mapped page and takes memory back through them, and
-/// at 4 the replays' warm passes began to unmap and map again (bert_dynamic 0.5 GiB); at 8
-/// every replay maps and unmaps exactly what it did unbounded.
-const DORMANT_PER_MAPPED: u64 = 8;
-/// ... and at least this many, whatever it maps.
-const DORMANT_FLOOR: u64 = 256;
-
 /// Walks a placement makes when its claim lands on a lent page that another thread's
 /// placement got to first.
 const CLAIM_TRIES: usize = 3;
@@ -328,8 +314,11 @@ impl PoolInner {
         // with their memory busy elsewhere, or unmapped where mapping is forbidden): the walk
         // resumes after them at once. Lent pages gather at the top of the mapped range (the
         // highest free pages lend first), and a walk judging each on its own met dozens.
+        // Dormant pages this walk judged, for their bound (added when the walk ends).
+        let judged = self.dormant.tally();
         let skip_dead = |mut q: u64| loop {
             if pages.is_lent(q) {
+                judged.one();
                 if pages.switch_source(q).is_some() {
                     return q;
                 }
@@ -366,6 +355,7 @@ impl PoolInner {
             while p < addr + len {
                 let lent = pages.is_lent(p);
                 if lent {
+                    judged.one();
                     let free_elsewhere = pages
                         .switch_source(p)
                         .filter(|s| !(addr / page * page..addr + len).contains(s) && !sources.contains(s));
@@ -515,21 +505,6 @@ impl PoolInner {
             Counters::bump(&self.counters.pages_lent, 1);
         }
         lent
-    }
-
-    /// Keep the dormant pages within [`DORMANT_PER_MAPPED`] times the mapped ones: past that,
-    /// unmap the oldest (lowest: loans take fresh pages at the top of the mapped range) whose
-    /// work is done, down to three quarters of the bound, a driver call each. One thread at
-    /// a time, the others going on (unmapping lent pages is safe from any number of threads,
-    /// as `trim()` and the last rung do: the flag only spares them the walk).
-    pub(crate) fn bound_dormant(&self) {
-        let page = self.pages.page_size();
-        let bound = (self.pages.mapped_bytes() / page * DORMANT_PER_MAPPED).max(DORMANT_FLOOR);
-        if self.pages.lent_pages() <= bound || self.bounding_dormant.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        self.unmap_lent(bound / 4 * 3);
-        self.bounding_dormant.store(false, Ordering::Release);
     }
 
     /// Unmap the lent pages no stream's work can touch any more (their memory stays where
