@@ -19,7 +19,8 @@
 //!
 //! * Only the bound moves: which pages are dormant, and what a switch or an unmap may do,
 //!   are the page map's ([`crate::arena::pages::PageMap::unmap_lent`] unmaps only pages no
-//!   stream's work can touch). A wrong factor costs time or driver calls, never bytes.
+//!   stream's work can touch). A wrong factor costs time, driver calls or memory held
+//!   (placements that could have switched lend or map instead), never a byte's safety.
 //! * One thread evaluates and unmaps at a time (a try-flag); the others go on. Counts are
 //!   added once a walk, so the walks do not contend on them.
 
