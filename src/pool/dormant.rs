@@ -22,11 +22,13 @@
 //!   stream's work can touch). A wrong factor costs time, driver calls or memory held
 //!   (placements that could have switched lend or map instead), never a byte's safety.
 //! * One thread evaluates and unmaps at a time (a try-flag); the others go on. Counts are
-//!   added once a walk, so the walks do not contend on them.
+//!   added once a walk, to a [`Tally`] striped by thread, so the walks do not contend on
+//!   them.
 
 use std::cell::Cell;
 
 use super::PoolInner;
+use crate::arena::tally::Tally;
 use crate::stats::Counters;
 use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -49,8 +51,10 @@ pub const PAYING: u64 = 256;
 pub(crate) struct Dormant {
     /// Dormant pages kept per page mapped (1 to [`MOST_PER_MAPPED`]).
     factor: AtomicU64,
-    /// Dormant pages judged by placements since the last look.
-    checks: AtomicU64,
+    /// Dormant pages judged by placements, ever.
+    checks: Tally,
+    /// `checks` at the last look.
+    checks_then: AtomicU64,
     /// Pages switched back, as `Stats::pages_switched` read at the last look.
     switched_then: AtomicU64,
     /// A thread is evaluating or unmapping.
@@ -61,7 +65,8 @@ impl Default for Dormant {
     fn default() -> Self {
         Dormant {
             factor: AtomicU64::new(MOST_PER_MAPPED),
-            checks: AtomicU64::new(0),
+            checks: Tally::new(0),
+            checks_then: AtomicU64::new(0),
             switched_then: AtomicU64::new(0),
             busy: AtomicBool::new(false),
         }
@@ -71,8 +76,13 @@ impl Default for Dormant {
 impl Dormant {
     /// A count of the dormant pages one walk judges, added to the pool's when dropped (one
     /// add a walk, not one a page).
-    pub(crate) fn tally(&self) -> Tally<'_> {
-        Tally { dormant: self, n: Cell::new(0) }
+    pub(crate) fn judging(&self) -> Judged<'_> {
+        Judged { dormant: self, n: Cell::new(0) }
+    }
+
+    /// Pages judged since the last look.
+    fn judged_since(&self) -> u64 {
+        self.checks.get().wrapping_sub(self.checks_then.load(Ordering::Relaxed))
     }
 
     /// Dormant pages kept per page mapped now.
@@ -92,24 +102,24 @@ impl Dormant {
     }
 }
 
-/// See [`Dormant::tally`].
-pub(crate) struct Tally<'a> {
+/// See [`Dormant::judging`].
+pub(crate) struct Judged<'a> {
     dormant: &'a Dormant,
     n: Cell<u64>,
 }
 
-impl Tally<'_> {
+impl Judged<'_> {
     /// One more dormant page judged.
     pub(crate) fn one(&self) {
         self.n.set(self.n.get() + 1);
     }
 }
 
-impl Drop for Tally<'_> {
+impl Drop for Judged<'_> {
     fn drop(&mut self) {
         let n = self.n.get();
         if n > 0 {
-            self.dormant.checks.fetch_add(n, Ordering::Relaxed);
+            self.dormant.checks.add(n);
         }
     }
 }
@@ -121,14 +131,15 @@ impl PoolInner {
         let d = &self.dormant;
         let page = self.pages.page_size();
         let bound = |factor: u64| (self.pages.mapped_bytes() / page * factor).max(FLOOR);
-        let due = d.checks.load(Ordering::Relaxed) >= EVAL_CHECKS;
+        let due = d.judged_since() >= EVAL_CHECKS;
         if (!due && self.pages.lent_pages() <= bound(d.factor())) || d.busy.swap(true, Ordering::AcqRel) {
             return;
         }
         if due {
             let switched = Counters::get(&self.counters.pages_switched);
             let paid = switched.saturating_sub(d.switched_then.swap(switched, Ordering::Relaxed));
-            let checks = d.checks.swap(0, Ordering::Relaxed);
+            let now = d.checks.get();
+            let checks = now.wrapping_sub(d.checks_then.swap(now, Ordering::Relaxed));
             let next = Dormant::next_factor(d.factor(), checks, paid);
             if next != d.factor() {
                 tracing::debug!(checks, switched = paid, factor = next, "dormant pages' bound");

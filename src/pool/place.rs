@@ -42,7 +42,6 @@ use super::{PoolInner, StreamState};
 use crate::arena::pages::{Backing, Mapper};
 use crate::arena::{fence_parts, fence_word, Acquire, CHUNK, GRANULE};
 use crate::error::{Error, OutOfMemory, Result};
-use crate::reclaim::waited::Waited;
 use crate::reclaim::Span;
 use crate::stats::Counters;
 use crate::sync::atomic::Ordering;
@@ -89,9 +88,8 @@ impl Mode {
 /// remembers the device waits the placement would need.
 struct Judge<'a> {
     pool: &'a PoolInner,
-    me: u32,
-    /// What the stream has already been made to wait for on the device.
-    waited: &'a Waited,
+    /// The stream placed for: its slot, and what it has already waited for on the device.
+    st: &'a StreamState,
     reuse: Reuse,
     reg: arc_swap::Guard<Arc<Registry>>,
     /// The last fence word judged and the verdict (runs of granules share one).
@@ -106,17 +104,7 @@ struct Judge<'a> {
 
 impl<'a> Judge<'a> {
     fn new(pool: &'a PoolInner, st: &'a StreamState, reuse: Reuse) -> Judge<'a> {
-        Judge {
-            pool,
-            me: st.slot,
-            waited: &st.waited,
-            reuse,
-            reg: pool.registry.load(),
-            memo: None,
-            waits: Vec::new(),
-            own: false,
-            covered: false,
-        }
+        Judge { pool, st, reuse, reg: pool.registry.load(), memo: None, waits: Vec::new(), own: false, covered: false }
     }
 
     /// Judge afresh every fence of `[addr, addr + len)`: true if all may be taken (the
@@ -150,7 +138,7 @@ impl<'a> Judge<'a> {
         if slot == 0 {
             return true;
         }
-        if slot == self.me {
+        if slot == self.st.slot {
             self.own = true;
             return true;
         }
@@ -161,7 +149,7 @@ impl<'a> Judge<'a> {
         if entry.fence.is_complete(seq) {
             return true;
         }
-        if self.waited.covers(slot, seq) {
+        if self.st.waited.covers(slot, seq) {
             // Stream order already puts this stream after that work: ready as its own is.
             self.covered = true;
             return true;
@@ -176,9 +164,10 @@ impl<'a> Judge<'a> {
         true
     }
 
-    /// Make `st`'s stream wait on the device for every event the placement needs. False if
+    /// Make the stream wait on the device for every event the placement needs. False if
     /// one cannot be had (the other stream is being captured, or a device call failed).
-    fn settle(&self, st: &StreamState) -> bool {
+    fn settle(&self) -> bool {
+        let st = self.st;
         let guard = epoch::pin();
         let dev = &self.pool.device;
         for &(slot, seq) in &self.waits {
@@ -315,7 +304,7 @@ impl PoolInner {
         // resumes after them at once. Lent pages gather at the top of the mapped range (the
         // highest free pages lend first), and a walk judging each on its own met dozens.
         // Dormant pages this walk judged, for their bound (added when the walk ends).
-        let judged = self.dormant.tally();
+        let judged = self.dormant.judging();
         let skip_dead = |mut q: u64| loop {
             if pages.is_lent(q) {
                 judged.one();
@@ -452,7 +441,7 @@ impl PoolInner {
                 }
             }
         };
-        if !held.waits.is_empty() && !held.settle(st) {
+        if !held.waits.is_empty() && !held.settle() {
             self.pages.release(addr, size);
             self.space.give_back(addr, size);
             return Ok(None);
@@ -498,7 +487,7 @@ impl PoolInner {
         // device (set up before the memory is shown at `to`, so `st`'s use comes after).
         let lent = [Reuse::Ready, Reuse::Wait].into_iter().any(|reuse| {
             let mut judge = Judge::new(self, st, reuse);
-            let mut accept = |from: u64, l: u64| judge.accepts(from, l) && (judge.waits.is_empty() || judge.settle(st));
+            let mut accept = |from: u64, l: u64| judge.accepts(from, l) && (judge.waits.is_empty() || judge.settle());
             self.pages.lend(to, len, &mut accept, &mut alias)
         });
         if lent {
