@@ -120,8 +120,13 @@ pub struct PoolConfig {
     /// Most full magazines a stream's depot keeps per size class.
     pub depot_magazines: usize,
     /// When a miss must map pages past the pool's peak while wholly free pages stay mapped
-    /// where it did not fit, unmap those first: the pool trades pages rather than grow its
-    /// peak. Below the peak nothing is traded (no churn in a steady state).
+    /// where it did not fit, trade those instead (lend their memory to where the request
+    /// lands, or on a device that cannot map memory twice, unmap them first): the pool
+    /// keeps its peak rather than grow it. Below the peak nothing is traded. Default true:
+    /// the memory figure first. A steady state that sits at its peak keeps trading, and its
+    /// misses climb the ladder more often: false holds more and runs faster (the random
+    /// window on an H100: 2.5–5.5× the throughput for 17–28% more reserved;
+    /// `docs/BENCHMARKS.md`, sixteenth session).
     pub trade_pages_on_map: bool,
     /// Blocks of this many bytes or more are placed first fit at 64 KiB granularity in the
     /// pool's extents (the next block starts where the last ended); smaller ones come from
