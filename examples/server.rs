@@ -18,13 +18,15 @@
 //!
 //! ```text
 //! cargo run --release --example server -- [--threads 8] [--requests 8] [--duration 60] [--layers 16]
-//!     [--idle] [--sim] [--costs] [--seed N] [--map-run-pages N]
+//!     [--idle] [--sim] [--costs] [--seed N] [--map-run-pages N] [--no-trade]
 //! ```
 //!
 //! `--requests` is per thread; `--duration` (seconds) stops threads from starting new
 //! requests after it; `--idle` leaves out the device work; `--sim` uses the simulator even
 //! where there is a GPU, `--costs` gives it an H200 driver's costs; `--map-run-pages` sets
-//! `PoolConfig::map_run_pages` (default 1: single pages, which can be lent).
+//! `PoolConfig::map_run_pages` (default 1: single pages, which can be lent); `--no-trade`
+//! turns `PoolConfig::trade_pages_on_map` off (past its peak the pool maps new pages and
+//! lends none).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -57,6 +59,7 @@ struct Args {
     costs: bool,
     seed: u64,
     map_run_pages: usize,
+    trade: bool,
 }
 
 fn parse_args() -> Args {
@@ -70,6 +73,7 @@ fn parse_args() -> Args {
         costs: false,
         seed: 1,
         map_run_pages: PoolConfig::default().map_run_pages,
+        trade: PoolConfig::default().trade_pages_on_map,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -88,6 +92,7 @@ fn parse_args() -> Args {
             "--idle" => a.idle = true,
             "--sim" => a.sim = true,
             "--costs" => a.costs = true,
+            "--no-trade" => a.trade = false,
             "--map-run-pages" => {
                 let (n, most) = (number("--map-run-pages"), PoolConfig::MAX_MAP_RUN_PAGES);
                 match usize::try_from(n) {
@@ -102,7 +107,7 @@ fn parse_args() -> Args {
                 eprintln!("unknown argument {other}");
                 eprintln!(
                     "usage: server [--threads N] [--requests N] [--duration S] [--layers N] [--idle] [--sim] \
-                     [--costs] [--seed N] [--map-run-pages N]"
+                     [--costs] [--seed N] [--map-run-pages N] [--no-trade]"
                 );
                 std::process::exit(2);
             }
@@ -263,7 +268,7 @@ fn main() {
     );
     let pool = match Pool::with_device(
         Arc::clone(&device),
-        PoolConfig { map_run_pages: args.map_run_pages, ..PoolConfig::default() },
+        PoolConfig { map_run_pages: args.map_run_pages, trade_pages_on_map: args.trade, ..PoolConfig::default() },
     ) {
         Ok(p) => p,
         Err(e) => {

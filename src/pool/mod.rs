@@ -125,8 +125,9 @@ pub struct PoolConfig {
     /// keeps its peak rather than grow it. Below the peak nothing is traded. Default true:
     /// the memory figure first. A steady state that sits at its peak keeps trading, and its
     /// misses climb the ladder more often: false holds more and runs faster (the random
-    /// window on an H100: 2.5–5.5× the throughput for 17–28% more reserved;
-    /// `docs/BENCHMARKS.md`, sixteenth session).
+    /// window on an H100: 2.5–5.5× the throughput for 17–28% more reserved; the `server`
+    /// example on the simulator with an H200's costs: 1.66–1.68× peak live instead of
+    /// 1.10–1.15 for 10–26% less time; `docs/BENCHMARKS.md`, sixteenth session).
     pub trade_pages_on_map: bool,
     /// Blocks of this many bytes or more are placed first fit at 64 KiB granularity in the
     /// pool's extents (the next block starts where the last ended); smaller ones come from
