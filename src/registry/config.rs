@@ -35,7 +35,9 @@ pub struct Config {
     /// `VRAMPOOL_LARGEST_CACHED_CLASS` ([`PoolConfig::largest_cached_class`]),
     /// `VRAMPOOL_RELEASE_THRESHOLD` ([`PoolConfig::release_threshold`]),
     /// `VRAMPOOL_MAP_RUN_PAGES` ([`PoolConfig::map_run_pages`], default
-    /// [`REGISTRY_MAP_RUN_PAGES`]); the rest as [`PoolConfig::default`].
+    /// [`REGISTRY_MAP_RUN_PAGES`]), `VRAMPOOL_TRADE_PAGES`
+    /// ([`PoolConfig::trade_pages_on_map`]), `VRAMPOOL_CROSS_STREAM_WAITS`
+    /// ([`PoolConfig::cross_stream_waits`]); the rest as [`PoolConfig::default`].
     pub pool: PoolConfig,
 }
 
@@ -62,9 +64,11 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ("VRAMPOOL_MAX_RESERVED", "most bytes a pool maps (default 80% of the device)"),
     ("VRAMPOOL_MAX_CACHED", "most bytes a pool's caches hold (default half of max reserved)"),
     ("VRAMPOOL_THREAD_CACHE_BYTES", "most bytes one thread's cache for one stream holds (default 256MiB)"),
-    ("VRAMPOOL_LARGEST_CACHED_CLASS", "largest block size kept in the caches (default 64MiB)"),
+    ("VRAMPOOL_LARGEST_CACHED_CLASS", "largest block size kept in the caches (default 4MiB)"),
     ("VRAMPOOL_RELEASE_THRESHOLD", "free mapped bytes kept between trims (default: all)"),
     ("VRAMPOOL_MAP_RUN_PAGES", "pages mapped as one allocation when a block needs several, 1 to 64 (default 16)"),
+    ("VRAMPOOL_TRADE_PAGES", "1 | 0: past its peak, lend free pages rather than map new ones (default 1)"),
+    ("VRAMPOOL_CROSS_STREAM_WAITS", "1 | 0: let a stream wait on the device for memory another freed (default 1)"),
 ];
 
 impl Default for Config {
@@ -129,6 +133,13 @@ impl Config {
         if let Some(n) = count("VRAMPOOL_MAP_RUN_PAGES")? {
             c.pool.map_run_pages = n;
         }
+        let switch = |name: &str| var(name).map(|v| parse_switch(&v).ok_or_else(|| bad(name, &v, SWITCH))).transpose();
+        if let Some(on) = switch("VRAMPOOL_TRADE_PAGES")? {
+            c.pool.trade_pages_on_map = on;
+        }
+        if let Some(on) = switch("VRAMPOOL_CROSS_STREAM_WAITS")? {
+            c.pool.cross_stream_waits = on;
+        }
         c.validate()?;
         Ok(c)
     }
@@ -158,6 +169,16 @@ impl Config {
 }
 
 const BYTES: &str = "a byte count: digits with an optional K, M, G or T suffix (KiB, MiB, ...: powers of 1024)";
+const SWITCH: &str = "1, 0, true, false, on, off, yes or no";
+
+/// `"1"`, `"true"`, `"on"`, `"yes"` (any case) and their opposites; `None` for anything else.
+fn parse_switch(s: &str) -> Option<bool> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "on" | "yes" => Some(true),
+        "0" | "false" | "off" | "no" => Some(false),
+        _ => None,
+    }
+}
 
 fn bad(name: &str, value: &str, wants: &str) -> Error {
     Error::InvalidArgument(format!("configuration: {name}={value:?} is not valid: {wants}"))
@@ -221,6 +242,8 @@ mod tests {
             ("VRAMPOOL_LARGEST_CACHED_CLASS", "4M"),
             ("VRAMPOOL_RELEASE_THRESHOLD", "0"),
             ("VRAMPOOL_MAP_RUN_PAGES", "1"),
+            ("VRAMPOOL_TRADE_PAGES", "off"),
+            ("VRAMPOOL_CROSS_STREAM_WAITS", "0"),
         ])
         .unwrap();
         assert_eq!(c.device, DeviceChoice::Sim);
@@ -231,6 +254,33 @@ mod tests {
         assert_eq!(c.pool.largest_cached_class, 4 << 20);
         assert_eq!(c.pool.release_threshold, 0);
         assert_eq!(c.pool.map_run_pages, 1);
+        assert!(!c.pool.trade_pages_on_map);
+        assert!(!c.pool.cross_stream_waits);
+    }
+
+    #[test]
+    fn switches_take_the_usual_spellings() {
+        for (v, on) in [("1", true), ("TRUE", true), ("on", true), ("Yes", true), ("0", false), ("false", false)] {
+            assert_eq!(from(&[("VRAMPOOL_TRADE_PAGES", v)]).unwrap().pool.trade_pages_on_map, on, "{v:?}");
+        }
+        let e = from(&[("VRAMPOOL_CROSS_STREAM_WAITS", "maybe")]).unwrap_err().to_string();
+        assert!(e.contains("VRAMPOOL_CROSS_STREAM_WAITS") && e.contains("maybe") && e.contains("on, off"), "{e}");
+    }
+
+    #[test]
+    fn the_listed_defaults_are_the_defaults() {
+        let d = Config::default().pool;
+        let listed = |name: &str| VARIABLES.iter().find(|(n, _)| *n == name).map(|(_, what)| *what).unwrap();
+        let cases = [
+            ("VRAMPOOL_THREAD_CACHE_BYTES", format!("(default {}MiB)", d.thread_cache_bytes >> 20)),
+            ("VRAMPOOL_LARGEST_CACHED_CLASS", format!("(default {}MiB)", d.largest_cached_class >> 20)),
+            ("VRAMPOOL_MAP_RUN_PAGES", format!("(default {})", d.map_run_pages)),
+            ("VRAMPOOL_TRADE_PAGES", format!("(default {})", u8::from(d.trade_pages_on_map))),
+            ("VRAMPOOL_CROSS_STREAM_WAITS", format!("(default {})", u8::from(d.cross_stream_waits))),
+        ];
+        for (name, default) in cases {
+            assert!(listed(name).ends_with(&default), "{name}: {:?} should end with {default:?}", listed(name));
+        }
     }
 
     #[test]
