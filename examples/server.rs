@@ -58,8 +58,8 @@ struct Args {
     sim: bool,
     costs: bool,
     seed: u64,
-    map_run_pages: usize,
-    trade: bool,
+    /// The pool's configuration, as the switches set it.
+    config: PoolConfig,
 }
 
 fn parse_args() -> Args {
@@ -72,8 +72,7 @@ fn parse_args() -> Args {
         sim: false,
         costs: false,
         seed: 1,
-        map_run_pages: PoolConfig::default().map_run_pages,
-        trade: PoolConfig::default().trade_pages_on_map,
+        config: PoolConfig::default(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -92,11 +91,11 @@ fn parse_args() -> Args {
             "--idle" => a.idle = true,
             "--sim" => a.sim = true,
             "--costs" => a.costs = true,
-            "--no-trade" => a.trade = false,
+            "--no-trade" => a.config.trade_pages_on_map = false,
             "--map-run-pages" => {
                 let (n, most) = (number("--map-run-pages"), PoolConfig::MAX_MAP_RUN_PAGES);
                 match usize::try_from(n) {
-                    Ok(n @ 1..) if n <= most => a.map_run_pages = n,
+                    Ok(n @ 1..) if n <= most => a.config.map_run_pages = n,
                     _ => {
                         eprintln!("--map-run-pages {n}: 1 to {most}");
                         std::process::exit(2)
@@ -266,10 +265,7 @@ fn main() {
         args.layers,
         if args.idle { "idle" } else { "busy 10-30 µs after each allocation" }
     );
-    let pool = match Pool::with_device(
-        Arc::clone(&device),
-        PoolConfig { map_run_pages: args.map_run_pages, trade_pages_on_map: args.trade, ..PoolConfig::default() },
-    ) {
+    let pool = match Pool::with_device(Arc::clone(&device), args.config.clone()) {
         Ok(p) => p,
         Err(e) => {
             eprintln!("pool: {e}");
