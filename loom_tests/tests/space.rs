@@ -2,7 +2,8 @@
 //! racing the return of the chunk that holds it, a free's fence racing another stream's
 //! claim of the same granules (the claimer must see the fence, or not get the memory), and a
 //! page loan racing a placement that claimed part of the borrowing page before it was mapped
-//! (the placement must read the loaned memory's fences once it holds the page).
+//! (the placement must read the loaned memory's fences once it holds the page), and a partial
+//! free inside a chunk whose summary speaks for it racing a claim of that chunk's granules.
 //!
 //! Tiny configurations (a stream arena of one 2 MiB chunk; a space of two chunks) and two
 //! threads:
@@ -66,6 +67,9 @@ fn a_claim_of_freed_granules_sees_the_fence_of_their_free() {
         let fence = fence_word(1, 7);
         let s1 = s.clone();
         let freer = thread::spawn(move || assert!(s1.free(a, GRANULE, fence)));
+        // Without a yield here loom never ran the free before the claim's walk: the claim
+        // always took the next granule, and the model checked nothing.
+        thread::yield_now();
         let mut seen = None;
         let got = s.alloc_large(GRANULE, &mut |addr, len| {
             s.fences(addr, len, |_, _, w| {
@@ -78,6 +82,31 @@ fn a_claim_of_freed_granules_sees_the_fence_of_their_free() {
         if got == Some(a) {
             assert_eq!(seen, Some(fence), "the freed granule was claimed without its fence");
         }
+    });
+}
+
+/// A chunk was freed whole with one fence, so its summary speaks for all its granules; then
+/// its first granule became a block again. One thread frees that block with a new fence;
+/// another claims a granule and reads its fence once it holds it. The claimer sees the new
+/// fence on the freed granule and the old one on any other: the partial free's summary
+/// (`MIXED`), stored before its bit clears, never leaves the chunk's old fence in view.
+#[test]
+fn a_chunk_summary_never_hides_a_partial_free_from_its_claimer() {
+    loom::model(|| {
+        let s = Arc::new(Space::new(BASE, 2 * CHUNK, CHUNK).unwrap());
+        let (old, new) = (fence_word(1, 3), fence_word(2, 8));
+        let whole = s.alloc_large(CHUNK, &mut |_, _| Ok(())).unwrap();
+        assert!(s.free(whole, CHUNK, old));
+        let b = s.alloc_large(GRANULE, &mut |_, _| Ok(())).unwrap();
+        assert_eq!(b, whole);
+        let s1 = s.clone();
+        let freer = thread::spawn(move || assert!(s1.free(b, GRANULE, new)));
+        thread::yield_now();
+        let got = s.alloc_large(GRANULE, &mut |_, _| Ok(())).unwrap();
+        let seen = fences_of(&s, got, GRANULE);
+        freer.join().unwrap();
+        let want = if got == b { new } else { old };
+        assert_eq!(seen, [want], "granule {got:#x} claimed with the wrong fence");
     });
 }
 
