@@ -19,13 +19,14 @@
 //!   wait, host functions, copies, memset) check `cuStreamIsCapturing` first and fail with
 //!   [`Error::StreamCapturing`], as the simulator does. Otherwise some of them would be
 //!   recorded into the user's graph and others would invalidate the user's capture.
-//! - **Virtual memory**: every granularity page gets its own physical allocation
-//!   (`cuMemCreate` + `cuMemMap`), so any page can later be unmapped alone; the allocation
-//!   handle is released right after mapping (the mapping keeps the memory alive and unmapping
-//!   frees it), so no handle table is kept. Access is then granted with one `cuMemSetAccess`
-//!   over the whole range the call mapped: the driver allows a range spanning several
-//!   allocations, and setting access is the dearest step of a map, so a run of pages pays it
-//!   once.
+//! - **Virtual memory**: every [`Device::map`] call is one physical allocation
+//!   (`cuMemCreate` + `cuMemMap` + `cuMemSetAccess`) of the range it is given: one page by
+//!   default, a run of pages with `PoolConfig::map_run_pages`. An allocation per page costs no
+//!   less: `cuMemSetAccess` and `cuMemUnmap` cost per allocation they cover, in one call or
+//!   many (`benches/vmm_probe.c`, `docs/BENCHMARKS.md`), so only a larger allocation makes a
+//!   run cheap, at the price of being unmapped and lent only whole. The allocation handle is
+//!   released right after mapping (the mapping keeps the memory alive and unmapping frees
+//!   it), so no handle table is kept.
 //! - **Events are reused.** An event whose last handle drops goes to a lock-free list of
 //!   spares (at most `SPARE_EVENTS`) and the next [`Device::create_event`] takes one from it
 //!   instead of calling `cuEventCreate`; only events beyond the list are destroyed.
