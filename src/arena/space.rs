@@ -343,6 +343,7 @@ impl Space {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     const BASE: u64 = 1 << 40;
 
@@ -424,6 +425,65 @@ mod tests {
         s.copy_fences(a + CHUNK, a, CHUNK / 2);
         let half = (PER_CHUNK / 2) as usize;
         assert_eq!(per_granule(&s, a, CHUNK), [vec![fence_word(2, 2); half], vec![fence_word(1, 1); half]].concat());
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// A large block of this many granules.
+        Alloc(u64),
+        /// Free the live block at this index (mod the count) with this fence.
+        Free(usize, u64),
+        /// Copy the fences of this many granules from one granule to another (a loan).
+        Copy(u64, u64, u64),
+    }
+
+    fn ops() -> impl Strategy<Value = Vec<Op>> {
+        let op = prop_oneof![
+            4 => (1u64..80).prop_map(Op::Alloc),
+            4 => (any::<usize>(), 0u64..4).prop_map(|(i, f)| Op::Free(i, f)),
+            1 => (0u64..128, 0u64..128, 1u64..40).prop_map(|(a, b, n)| Op::Copy(a, b, n)),
+        ];
+        proptest::collection::vec(op, 1..120)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+        /// Whatever frees, whole chunks or parts, and copies came before, `fences` reports
+        /// for every granule the fence its last write gave it: the summaries change only
+        /// how many words are read.
+        #[test]
+        fn fences_read_through_summaries_match_a_granule_by_granule_model(ops in ops()) {
+            const GRANULES: u64 = 4 * PER_CHUNK;
+            let s = Space::new(BASE, GRANULES * GRANULE, 2 * CHUNK).unwrap();
+            let mut model = vec![0u64; GRANULES as usize];
+            let mut live: Vec<(u64, u64)> = vec![];
+            for op in ops {
+                match op {
+                    Op::Alloc(k) => {
+                        if let Some(a) = s.alloc_large(k * GRANULE, &mut |_, _| Ok(())) {
+                            live.push((a, k));
+                        }
+                    }
+                    Op::Free(i, f) if !live.is_empty() => {
+                        let (a, k) = live.swap_remove(i % live.len());
+                        let fence = if f == 0 { 0 } else { fence_word(f as u32, 100 + i as u64 % 7) };
+                        prop_assert!(s.free(a, k * GRANULE, fence));
+                        let g = ((a - BASE) / GRANULE) as usize;
+                        model[g..g + k as usize].fill(fence);
+                    }
+                    Op::Free(..) => {}
+                    // A loan moves a page's memory to another page: the ranges never overlap.
+                    Op::Copy(from, to, n) if from.abs_diff(to) >= n && from.max(to) + n <= GRANULES => {
+                        s.copy_fences(BASE + from * GRANULE, BASE + to * GRANULE, n * GRANULE);
+                        let src = model[from as usize..(from + n) as usize].to_vec();
+                        model[to as usize..(to + n) as usize].copy_from_slice(&src);
+                    }
+                    Op::Copy(..) => {}
+                }
+                prop_assert_eq!(&per_granule(&s, BASE, GRANULES * GRANULE), &model);
+            }
+        }
     }
 
     #[test]
