@@ -121,6 +121,9 @@ fn alloc_racing_a_free_of_the_neighbouring_run() {
         assert!(e.free(0, 16 * G));
         let e1 = e.clone();
         let t = thread::spawn(move || assert!(e1.free(16 * G, 56 * G)));
+        // Without a yield here loom never ran the free before the walk: the allocation
+        // always took [80, 120), and the first fit after the free was never checked.
+        thread::yield_now();
         let got = e.alloc(40 * G).expect("48 granules were free all along");
         t.join().unwrap();
         assert!(got == 0 || got == 80 * G, "not a first fit: {got:#x}");
@@ -216,6 +219,9 @@ fn a_walk_racing_a_free_below_it_never_leaves_the_hint_high() {
         assert_eq!(e.alloc(64 * G), Some(0));
         let e1 = e.clone();
         let t = thread::spawn(move || assert!(e1.free(0, 64 * G)));
+        // Without a yield here loom never ran the free before the walk: the walk always found
+        // word 0 full, and the allocation after the free was never checked.
+        thread::yield_now();
         let got = e.alloc(6 * G).expect("64 granules free throughout");
         t.join().unwrap();
         assert!(got == 0 || got == 64 * G, "{got:#x}");
