@@ -204,4 +204,8 @@ fn report(args: &Args, b: &Stats, a: &Stats, sim: Option<&SimDevice>) {
         mib(a.free_mapped_bytes),
         sim.map_or(String::new(), |s| format!("; the simulator holds {:.0} MiB", mib(s.committed_bytes()))),
     );
+    let rungs: Vec<String> = (0..a.ladder_rungs.len())
+        .map(|i| format!("{}: {}", i + 1, a.ladder_rungs[i].saturating_sub(b.ladder_rungs[i])))
+        .collect();
+    println!("misses placed by the ladder's rungs: {}", rungs.join(", "));
 }

@@ -100,7 +100,7 @@ pub use device::CudaDevice;
 pub use device::{Device, DeviceKind, Event, MemInfo, SimCosts, SimDevice, Stream, StreamId};
 pub use error::{Error, OutOfMemory, Result};
 pub use pool::{Block, BlockState, Extent, Leak, Pool, PoolConfig, Segment, Snapshot, StreamCache, ALIGN};
-pub use stats::Stats;
+pub use stats::{Stats, LADDER_RUNGS};
 
 /// Internals exposed for the benches' baselines only; not part of the API.
 #[doc(hidden)]

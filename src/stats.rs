@@ -5,6 +5,9 @@
 
 use crate::sync::atomic::{AtomicU64, Ordering};
 
+/// Rungs of the out-of-memory ladder that can place an allocation ([`Stats::ladder_rungs`]).
+pub const LADDER_RUNGS: usize = 9;
+
 /// A snapshot of the pool's figures, in bytes unless named otherwise.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[allow(deprecated)]
@@ -73,6 +76,13 @@ pub struct Stats {
     pub ladder_waits: u64,
     /// Allocations refused with out-of-memory.
     pub ooms: u64,
+    /// Allocations placed below the caches, by the rung of the out-of-memory ladder that
+    /// placed them: index 0 is rung 1 (ready memory on mapped pages, where most misses end),
+    /// index 8 rung 9 (a gap between large blocks, near the limit); rung 10 is `ooms`. The
+    /// rungs, in order, are listed in `IMPLEMENTATION.md` and the docs of `src/pool/ladder.rs`.
+    /// Where a pool's misses climb far (flushing caches, device waits, mapping past the
+    /// peak) shows where its slow path's time goes.
+    pub ladder_rungs: [u64; LADDER_RUNGS],
     /// Nanoseconds allocations spent below the caches, in the arena and the out-of-memory
     /// ladder (the device calls they made included): what misses cost, beside `allocs`.
     pub ladder_ns: u64,
@@ -157,6 +167,7 @@ pub(crate) struct Counters {
     pub ladder_waits: AtomicU64,
     pub ladder_steals: AtomicU64,
     pub ooms: AtomicU64,
+    pub rungs: [AtomicU64; LADDER_RUNGS],
     pub unmapped: AtomicU64,
     pub ladder_ns: AtomicU64,
     pub release_ns: AtomicU64,

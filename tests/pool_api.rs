@@ -137,6 +137,39 @@ fn out_of_memory_carries_the_figures() {
 }
 
 #[test]
+fn every_allocation_below_the_caches_is_counted_by_the_rung_that_placed_it() {
+    let (_dev, pool, s) = pool(64 << 20);
+    // Above the largest cached class: every one goes below the caches.
+    const BIG: usize = 8 << 20;
+    let mut held = vec![];
+    while let Ok(b) = pool.alloc(BIG, &s) {
+        held.push(b);
+    }
+    let st = pool.stats();
+    assert_eq!(st.ladder_rungs[6], held.len() as u64, "a cold pool maps past its peak (rung 7) for each: {st:?}");
+    assert_eq!(st.ooms, 1);
+    held.clear();
+    let again = pool.alloc(BIG, &s).unwrap();
+    let st = pool.stats();
+    assert_eq!(st.ladder_rungs[0], 1, "memory its stream freed is ready at once (rung 1): {st:?}");
+    let placed: u64 = st.ladder_rungs.iter().sum();
+    assert_eq!(placed, st.allocs - st.t0_hits - st.t1_hits, "one count per allocation served: {st:?}");
+    drop(again);
+    // Small blocks, through a thread cache: its misses are counted the same way.
+    let (_dev, pool, s) = self::pool(1 << 30);
+    let cache = pool.stream_cache(&s).unwrap();
+    for i in 0..300 {
+        let kept = cache.alloc(256 << (i % 12)).unwrap();
+        drop(cache.alloc(1024).unwrap());
+        drop(kept);
+    }
+    let st = pool.stats();
+    let placed: u64 = st.ladder_rungs.iter().sum();
+    assert!(st.t0_hits > 0 && placed > 2, "{st:?}");
+    assert_eq!(placed, st.allocs - st.t0_hits - st.t1_hits, "one count per miss too: {st:?}");
+}
+
+#[test]
 fn same_stream_reuse_needs_no_event() {
     let (_dev, pool, s) = pool(1 << 30);
     let a = pool.alloc(1 << 20, &s).unwrap();

@@ -39,6 +39,9 @@
 //! 9. **A gap for a small request**: near the limit, a small block that no chunk can hold
 //!    takes a run between large blocks, at whole 64 KiB granules (module `place`).
 //! 10. [`Error::OutOfMemory`], with the figures.
+//!
+//! Each placement is counted by the rung that made it (`Stats::ladder_rungs`; rung 10 is
+//! `Stats::ooms`): one relaxed add a miss, beside the counters a miss already bumps.
 
 use super::local;
 use super::place::{Mapping, Mode, Reuse};
@@ -74,32 +77,32 @@ impl PoolInner {
         let try_ready = |p: &Self| p.place(st, size, ready);
         // 1.
         if let Some(a) = self.place(st, size, ready)? {
-            return Ok(a);
+            return Ok(self.placed_by(1, a));
         }
         // 2.
         tracing::trace!("rung 2: settle");
         if self.settle() {
             if let Some(a) = self.place(st, size, ready)? {
-                return Ok(a);
+                return Ok(self.placed_by(2, a));
             }
         }
         // 3.
         tracing::trace!("rung 3: flush this stream's caches");
         Counters::bump(&self.counters.ladder_flushes, 1);
         if let Some(a) = self.flush_rounds(size, st, own, try_ready)? {
-            return Ok(a);
+            return Ok(self.placed_by(3, a));
         }
         // 4.
         tracing::trace!("rung 4: map below the peak");
         Counters::bump(&self.counters.ladder_maps, 1);
         if let Some(a) = self.place(st, size, Mode { reuse: Reuse::Ready, mapping: Mapping::WithinPeak })? {
-            return Ok(a);
+            return Ok(self.placed_by(4, a));
         }
         // 5.
         tracing::debug!("rung 5: other streams' idle memory");
         if self.reclaim_held(false) | self.settle() {
             if let Some(a) = self.place(st, size, ready)? {
-                return Ok(a);
+                return Ok(self.placed_by(5, a));
             }
         }
         // 6.
@@ -107,18 +110,18 @@ impl PoolInner {
         if self.config.cross_stream_waits {
             let waiting = Mode { reuse: Reuse::Wait, mapping: Mapping::Forbidden };
             if let Some(a) = self.place(st, size, waiting)? {
-                return Ok(a);
+                return Ok(self.placed_by(6, a));
             }
             if self.take_retiring(st, size.saturating_mul(2)) {
                 if let Some(a) = self.place(st, size, waiting)? {
-                    return Ok(a);
+                    return Ok(self.placed_by(6, a));
                 }
             }
         }
         // 7.
         tracing::debug!("rung 7: map past the peak");
         if let Some(a) = self.map_past_peak(st, size)? {
-            return Ok(a);
+            return Ok(self.placed_by(7, a));
         }
         // 8.
         tracing::debug!("rung 8: host waits");
@@ -131,7 +134,7 @@ impl PoolInner {
             self.unmap_lent(0);
             self.unmap_free(0);
             if let Some(a) = self.place(st, size, Self::ALLOWED)? {
-                return Ok(a);
+                return Ok(self.placed_by(8, a));
             }
             if !(waited || released) {
                 break;
@@ -140,7 +143,7 @@ impl PoolInner {
         // 9.
         if let Some(a) = self.place_small_in_extents(st, size, Self::ALLOWED)? {
             tracing::debug!(size, stream = st.stream.id(), "rung 9: a small block in a gap of the extents");
-            return Ok(a);
+            return Ok(self.placed_by(9, a));
         }
         // 10.
         tracing::debug!("rung 10: out of memory");
@@ -155,6 +158,12 @@ impl PoolInner {
             largest_free: s.largest_free_block,
             max_reserved: self.max_reserved,
         })))
+    }
+
+    /// Count a placement by the rung (1-based) that made it; pass its address on.
+    fn placed_by(&self, rung: usize, addr: u64) -> u64 {
+        Counters::bump(&self.counters.rungs[rung - 1], 1);
+        addr
     }
 
     /// After a placement past the peak: if the peak rose a growth step (a 64th, at least a
