@@ -170,6 +170,26 @@ fn every_allocation_below_the_caches_is_counted_by_the_rung_that_placed_it() {
 }
 
 #[test]
+fn a_pool_that_once_mapped_near_its_limit_caches_again_once_its_blocks_are_gone() {
+    let (_dev, pool, s) = pool(1 << 30);
+    // Mapped past seven eighths of the limit, then everything freed: the pages stay mapped.
+    let big = 16 << 20;
+    let burst = (pool.max_reserved() / big as u64 * 15 / 16) as usize;
+    drop((0..burst).map(|_| pool.alloc(big, &s).unwrap()).collect::<Vec<Block>>());
+    let before = pool.stats();
+    assert!(before.reserved_bytes > pool.max_reserved() / 8 * 7, "{before:?}");
+    let cache = pool.stream_cache(&s).unwrap();
+    for i in 0..2_000 {
+        let kept = cache.alloc(256 << (i % 12)).unwrap();
+        drop(cache.alloc(4096).unwrap());
+        drop(kept);
+    }
+    let st = pool.stats();
+    let (allocs, hits) = (st.allocs - before.allocs, st.t0_hits - before.t0_hits);
+    assert!(hits * 10 > allocs * 9, "the caches serve again: {hits} hits of {allocs} ({st:?})");
+}
+
+#[test]
 fn same_stream_reuse_needs_no_event() {
     let (_dev, pool, s) = pool(1 << 30);
     let a = pool.alloc(1 << 20, &s).unwrap();

@@ -80,8 +80,8 @@ pub(crate) struct ThreadCache {
     pub(crate) shared: Arc<CacheShared>,
     pub(crate) pool: Arc<PoolInner>,
     pub(crate) stream: Arc<StreamState>,
-    /// Whether the cache's reach (see [`ThreadCache::within`]) was last set for a pool near
-    /// its mapping limit.
+    /// Whether the cache's reach (see [`ThreadCache::within`]) was last set for a pool short
+    /// of memory ([`PoolInner::short_of_memory`]).
     near: Cell<bool>,
     /// Whether the reach was last set for a growing pool (no large borrowing).
     growing: Cell<bool>,
@@ -138,7 +138,7 @@ impl ThreadCache {
             shared: pool.register_cache(stream),
             pool: Arc::clone(pool),
             stream: Arc::clone(stream),
-            near: Cell::new(pool.near_limit()),
+            near: Cell::new(pool.short_of_memory()),
             growing: Cell::new(true),
             growth: GrowthWatch::new(pool.space_held()),
             shed_seen: Cell::new(pool.shed_peak.load(Ordering::Acquire)),
@@ -193,7 +193,7 @@ impl ThreadCache {
     pub(crate) fn alloc_cold(&self, bytes: usize, class: Option<usize>, site: &'static Location) -> Result<Placed> {
         let pool = &*self.pool;
         self.shed_if_grew();
-        let (near, growing) = (pool.near_limit(), self.pool_growing());
+        let (near, growing) = (pool.short_of_memory(), self.pool_growing());
         if (near, growing) != (self.near.get(), self.growing.get()) {
             self.near.set(near);
             self.growing.set(growing);
@@ -209,7 +209,7 @@ impl ThreadCache {
             return Ok(Placed::taken(hit));
         }
         if near {
-            // Near the limit a miss takes what was asked (as the arena rounds it), uncached: a
+            // Short of memory, a miss takes what was asked (as the arena rounds it), uncached: a
             // class's rounding is held while the block lives, and there it is memory another
             // request needs. Class blocks took 17% more than the bytes asked when the window
             // case of `tests/near_limit.rs` first ran out; exact, it refused 1–9 requests at
