@@ -190,6 +190,20 @@ fn a_pool_that_once_mapped_near_its_limit_caches_again_once_its_blocks_are_gone(
 }
 
 #[test]
+fn a_thread_keeps_no_cache_for_streams_destroyed_before_its_next_new_one() {
+    let (dev, pool, _s) = pool(1 << 30);
+    for _ in 0..100 {
+        let s = dev.new_stream().unwrap();
+        drop(pool.alloc(1 << 20, &s).unwrap());
+        dev.synchronize(&s).unwrap();
+        dev.destroy_stream(&s).unwrap();
+    }
+    let st = pool.stats();
+    assert!(st.thread_caches <= 1, "one cache a stream ever used stays registered: {st:?}");
+    all_given_back(&pool);
+}
+
+#[test]
 fn same_stream_reuse_needs_no_event() {
     let (_dev, pool, s) = pool(1 << 30);
     let a = pool.alloc(1 << 20, &s).unwrap();

@@ -213,8 +213,14 @@ fn cache_for(device: i64, key: u64, dev: &AbiDevice, rec: &StreamRec) -> *const 
         .try_with(|c| {
             let mut list = c.list.borrow_mut();
             // A key names a new stream once the old one was declared destroyed (on the
-            // simulator the key is the handle's value): its cache goes with it.
-            list.retain(|e| !(e.0 == device && e.1 == key && e.2.stream().id() != rec.id));
+            // simulator the key is the handle's value): its cache goes with it. So do the
+            // caches of every stream declared destroyed since, whatever its key: a thread
+            // that served many short-lived streams kept one for each (see
+            // `pool::local`'s `drop_destroyed`, which then flushes them).
+            list.retain(|e| {
+                let s = e.2.stream();
+                !(s.is_destroyed() || (e.0 == device && e.1 == key && s.id() != rec.id))
+            });
             if let Some(e) = list.iter().find(|e| e.0 == device && e.1 == key) {
                 return &e.2 as *const StreamCache;
             }

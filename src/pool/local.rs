@@ -456,6 +456,31 @@ impl Local {
     fn find_rc(&self, pool: *const PoolInner, stream: StreamId) -> Option<Rc<ThreadCache>> {
         self.entries.borrow().iter().find(|e| e.pool == pool && e.stream == stream).map(|e| Rc::clone(&e.tc))
     }
+
+    /// Before a new entry: the caches of streams destroyed since (of any pool) go, as they
+    /// would at thread exit, unless a [`StreamCache`] still holds one. A thread that served
+    /// a stream a request, each destroyed after, kept a cache per stream it had ever used,
+    /// and every idle-cache sweep of the ladder walked them all (on the simulator, 20,000
+    /// streams made, used and destroyed in turn took 32 ms each by the end).
+    fn drop_destroyed(&self) {
+        let gone: Vec<Entry> = {
+            let mut entries = self.entries.borrow_mut();
+            if !entries.iter().any(|e| e.tc.stream.destroyed.load(Ordering::Acquire)) {
+                return;
+            }
+            let (gone, kept): (Vec<Entry>, Vec<Entry>) = entries
+                .drain(..)
+                .partition(|e| e.tc.stream.destroyed.load(Ordering::Acquire) && Rc::strong_count(&e.tc) == 1);
+            *entries = kept;
+            gone
+        };
+        if !gone.is_empty() {
+            // The memo may name one of them: it never names a cache no entry holds.
+            let _ = MEMO.try_with(Memo::forget);
+        }
+        // Dropped with the entries released: a cache's drop flushes it into the pool.
+        drop(gone);
+    }
 }
 
 impl Drop for Local {
@@ -562,6 +587,7 @@ pub(crate) fn cache_for(pool: &Arc<PoolInner>, stream: &Arc<StreamState>) -> Opt
             if let Some(tc) = l.find_rc(p, id) {
                 return tc;
             }
+            l.drop_destroyed();
             let tc = Rc::new(ThreadCache::new(pool, stream));
             l.entries.borrow_mut().push(Entry { pool: p, stream: id, tc: Rc::clone(&tc) });
             tc

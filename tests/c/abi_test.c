@@ -253,6 +253,21 @@ static void stream_destroyed(void) {
     CHECK_ERROR(VRAMPOOL_ERROR_NO_DEVICE);
 }
 
+/* A stream a request, each declared destroyed after: the thread keeps no cache for the
+ * streams gone (before, it kept one for every stream it had used). */
+static void many_short_lived_streams(void) {
+    long long before = stat(0, "thread_caches");
+    for (int i = 0; i < 200; i++) {
+        void *s = stream_of(1000 + i);
+        void *p = vrampool_malloc(1 << 16, 0, s);
+        CHECK(p != NULL);
+        vrampool_free(p, 1 << 16, 0, s);
+        CHECK(vrampool_stream_destroyed(0, s) == 0);
+    }
+    CHECK_NO_ERROR();
+    CHECK(stat(0, "thread_caches") <= before + 1);
+}
+
 static void *worker(void *arg) {
     int me = (int)(intptr_t)arg;
     struct handoff *mine = &rings[me], *next = &rings[(me + 1) % THREADS];
@@ -384,6 +399,7 @@ int main(int argc, char **argv) {
     stats_json_is_snprintf();
     record_stream_inputs();
     stream_destroyed();
+    many_short_lived_streams();
     threads();
     graph_pool();
     CHECK(stat(0, "allocated_bytes") == 0);
