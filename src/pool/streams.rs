@@ -67,7 +67,52 @@ pub(crate) struct SlotEntry {
 #[derive(Default, Clone)]
 pub(crate) struct Registry {
     pub(crate) by_id: HashMap<StreamId, Arc<StreamState>>,
-    pub(crate) slots: Vec<SlotEntry>,
+    pub(crate) slots: SlotList,
+}
+
+/// Entries a chunk of a [`SlotList`]: about the square root of the slots a long-running
+/// server gives out, so that a new stream copies about as many pointers as entries.
+const SLOT_CHUNK: usize = 64;
+
+/// Every slot's entry, index `slot - 1`, in chunks that a new registry shares with the one
+/// it replaces: a new stream copies one pointer a full chunk and the entries of the last,
+/// partial one, not every entry. Slots are never reused, and a server that made, used and
+/// destroyed a stream per request copied (and dropped) every slot it had ever given out at
+/// each new stream: on the simulator, 1.25 ms a stream by the 20,000th.
+#[derive(Default, Clone)]
+pub(crate) struct SlotList {
+    full: Vec<Arc<[SlotEntry]>>,
+    tail: Vec<SlotEntry>,
+}
+
+impl SlotList {
+    /// Slots given out.
+    pub(crate) fn len(&self) -> usize {
+        self.full.len() * SLOT_CHUNK + self.tail.len()
+    }
+
+    /// The entry at index `i` (slot `i + 1`).
+    pub(crate) fn get(&self, i: usize) -> Option<&SlotEntry> {
+        let (c, at) = (i / SLOT_CHUNK, i % SLOT_CHUNK);
+        match self.full.get(c) {
+            Some(chunk) => chunk.get(at),
+            None if c == self.full.len() => self.tail.get(at),
+            None => None,
+        }
+    }
+
+    /// Add the next slot's entry.
+    fn push(&mut self, entry: SlotEntry) {
+        self.tail.push(entry);
+        if self.tail.len() == SLOT_CHUNK {
+            self.full.push(std::mem::take(&mut self.tail).into());
+        }
+    }
+
+    /// Every entry, lowest slot first.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &SlotEntry> {
+        self.full.iter().flat_map(|c| c.iter()).chain(self.tail.iter())
+    }
 }
 
 impl PoolInner {
@@ -261,5 +306,31 @@ impl PoolInner {
         if self.orphans.load().iter().any(done) {
             self.orphans.rcu(|v| v.iter().filter(|st| !done(st)).cloned().collect::<Vec<_>>());
         }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slot_list_finds_every_entry_across_its_chunks() {
+        let dev = crate::SimDevice::new(1 << 30);
+        let stream = dev.new_stream().unwrap();
+        let fences: Vec<_> = (0..3 * SLOT_CHUNK + 5).map(|_| Arc::new(FenceLog::new())).collect();
+        let mut list = SlotList::default();
+        for f in &fences {
+            list.push(SlotEntry { stream: stream.clone(), fence: Arc::clone(f), state: Weak::new() });
+        }
+        let older = list.clone();
+        list.push(SlotEntry { stream: stream.clone(), fence: Arc::new(FenceLog::new()), state: Weak::new() });
+        assert_eq!((older.len(), list.len()), (fences.len(), fences.len() + 1));
+        for (i, f) in fences.iter().enumerate() {
+            assert!(Arc::ptr_eq(&list.get(i).unwrap().fence, f), "entry {i}");
+            assert!(Arc::ptr_eq(&older.get(i).unwrap().fence, f), "entry {i} of the older list");
+        }
+        assert!(older.get(fences.len()).is_none() && list.get(fences.len() + 1).is_none());
+        assert!(list.iter().zip(&fences).all(|(e, f)| Arc::ptr_eq(&e.fence, f)));
+        assert_eq!(list.iter().count(), list.len());
     }
 }
