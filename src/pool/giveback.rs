@@ -165,17 +165,23 @@ impl PoolInner {
         let guard = epoch::pin();
         let dev = &self.device;
         let mut settled = false;
-        for e in self.registry.load().slots.iter() {
-            if !e.fence.has_pending(&guard) {
+        // The streams with states, not every slot: a slot whose state is gone had its final
+        // event complete and can have nothing pending (`prune_orphans`), and a server that
+        // made a stream per request had tens of thousands of those, walked at every climb.
+        // A stream between the registry and the orphans is missed by this one poll only.
+        let (reg, orphans) = (self.registry.load(), self.orphans.load());
+        for st in reg.by_id.values().chain(orphans.iter()) {
+            if !st.fence.has_pending(&guard) {
                 continue;
             }
             // No event on a stream being captured is polled: while it is, its events are
             // graph nodes.
-            if !e.stream.is_destroyed() && dev.is_capturing(&e.stream).unwrap_or(true) {
+            if !st.stream.is_destroyed() && dev.is_capturing(&st.stream).unwrap_or(true) {
                 continue;
             }
-            settled |= e.fence.poll(|ev| dev.query_event(ev).unwrap_or(false), &guard);
+            settled |= st.fence.poll(|ev| dev.query_event(ev).unwrap_or(false), &guard);
         }
+        drop((reg, orphans));
         let broken = self.config.break_event_guard_for_tests;
         let b = self.cross.poll(
             |evs| broken || evs.iter().all(|ev| dev.query_event(ev).unwrap_or(false)),
