@@ -1,6 +1,6 @@
 //! The Pool API as a user sees it, on the simulated device.
 
-use vrampool::{Block, Device, Error, Pool, PoolConfig, SimDevice, Stats, Stream};
+use vrampool::{Block, Device, Error, Pool, PoolConfig, SimDevice, Stats, Stream, StreamCache};
 
 fn pool(capacity: u64) -> (SimDevice, Pool, Stream) {
     let dev = SimDevice::new(capacity);
@@ -136,6 +136,16 @@ fn out_of_memory_carries_the_figures() {
     pool.alloc(8 << 20, &s).expect("memory freed on the same stream is usable again");
 }
 
+/// `n` rounds through `cache` of a block of 256 B – 512 KiB held across a 4 KiB pair: hits
+/// once the cache holds each class.
+fn small_pairs(cache: &StreamCache, n: usize) {
+    for i in 0..n {
+        let kept = cache.alloc(256 << (i % 12)).unwrap();
+        drop(cache.alloc(4096).unwrap());
+        drop(kept);
+    }
+}
+
 #[test]
 fn every_allocation_below_the_caches_is_counted_by_the_rung_that_placed_it() {
     let (_dev, pool, s) = pool(64 << 20);
@@ -158,11 +168,7 @@ fn every_allocation_below_the_caches_is_counted_by_the_rung_that_placed_it() {
     // Small blocks, through a thread cache: its misses are counted the same way.
     let (_dev, pool, s) = self::pool(1 << 30);
     let cache = pool.stream_cache(&s).unwrap();
-    for i in 0..300 {
-        let kept = cache.alloc(256 << (i % 12)).unwrap();
-        drop(cache.alloc(1024).unwrap());
-        drop(kept);
-    }
+    small_pairs(&cache, 300);
     let st = pool.stats();
     let placed: u64 = st.ladder_rungs.iter().sum();
     assert!(st.t0_hits > 0 && placed > 2, "{st:?}");
@@ -179,11 +185,7 @@ fn a_pool_that_once_mapped_near_its_limit_caches_again_once_its_blocks_are_gone(
     let before = pool.stats();
     assert!(before.reserved_bytes > pool.max_reserved() / 8 * 7, "{before:?}");
     let cache = pool.stream_cache(&s).unwrap();
-    for i in 0..2_000 {
-        let kept = cache.alloc(256 << (i % 12)).unwrap();
-        drop(cache.alloc(4096).unwrap());
-        drop(kept);
-    }
+    small_pairs(&cache, 2_000);
     let st = pool.stats();
     let (allocs, hits) = (st.allocs - before.allocs, st.t0_hits - before.t0_hits);
     assert!(hits * 10 > allocs * 9, "the caches serve again: {hits} hits of {allocs} ({st:?})");
