@@ -345,6 +345,8 @@ fn main() {
         stats.events_recorded,
         stats.ooms,
     );
+    let rungs: Vec<String> = stats.ladder_rungs.iter().enumerate().map(|(i, n)| format!("{}: {n}", i + 1)).collect();
+    println!("misses placed by the ladder's rungs: {}", rungs.join(", "));
     println!(
         "pages: {} lent, {} switched back, {:.1} MiB unmapped (lent pages' addresses included)",
         stats.pages_lent,
