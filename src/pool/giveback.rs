@@ -268,18 +268,21 @@ impl PoolInner {
         let guard = epoch::pin();
         let dev = &self.device;
         let mut waited = false;
-        let reg = self.registry.load();
-        for e in reg.slots.iter() {
-            if !wanted(&e.stream) || e.fence.is_complete(e.fence.stamp()) {
+        // The streams with states, as `settle` polls them: a slot whose state is gone has
+        // every fence complete.
+        let (reg, orphans) = (self.registry.load(), self.orphans.load());
+        for st in reg.by_id.values().chain(orphans.iter()) {
+            let (stream, fence) = (&st.stream, &*st.fence);
+            if !wanted(stream) || fence.is_complete(fence.stamp()) {
                 continue;
             }
-            let live = !e.stream.is_destroyed();
-            if live && (dev.is_capturing(&e.stream).unwrap_or(true) || self.record_on(e, &guard).is_err()) {
+            let live = !stream.is_destroyed();
+            if live && (dev.is_capturing(stream).unwrap_or(true) || self.record_on(stream, fence, &guard).is_err()) {
                 continue;
             }
             // The newest event covers every free stamped so far.
-            let newest = e.fence.claimed();
-            let ok = e.fence.covering(newest, |ev| dev.synchronize_event(ev).is_ok(), &guard);
+            let newest = fence.claimed();
+            let ok = fence.covering(newest, |ev| dev.synchronize_event(ev).is_ok(), &guard);
             if ok == Some(true) {
                 Counters::bump(&self.counters.ladder_waits, 1);
                 waited = true;

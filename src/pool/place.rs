@@ -183,7 +183,7 @@ impl<'a> Judge<'a> {
                 Some(ok) => ok,
                 None if entry.fence.is_complete(seq) => continue,
                 None => {
-                    if self.pool.record_on(entry, &guard).is_err() {
+                    if self.pool.record_on(&entry.stream, &entry.fence, &guard).is_err() {
                         return false;
                     }
                     // A poller may have seen the new event complete (and dropped it) already.
