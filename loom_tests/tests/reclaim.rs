@@ -326,3 +326,47 @@ fn a_wait_is_relied_on_only_once_it_is_enqueued() {
         }
     });
 }
+
+/// Two streams' waits share a word of S's table (their slots are a table's length apart).
+/// One thread makes S wait on stream A's event and notes it; another does the same for
+/// stream B, whose note takes the word over. A placement for S that finds A's wait noted
+/// enqueues its work with no wait of its own: whatever the interleaving, that work comes
+/// after A's wait in S's queue, and a note that gave way only makes the next placement wait
+/// again.
+#[test]
+fn a_note_that_gives_way_to_another_slot_was_relied_on_only_after_its_wait() {
+    use vrampool::reclaim::waited::WAITED_SLOTS;
+    const A: u32 = 3;
+    const B: u32 = A + WAITED_SLOTS as u32;
+    loom::model(|| {
+        let waited = Arc::new(Waited::default());
+        let queue = Arc::new(loom::sync::Mutex::new(Vec::new()));
+        let wait_on = |waited: &Waited, queue: &loom::sync::Mutex<Vec<(u32, u64)>>, slot: u32| {
+            assert!(waited.wait(slot, 4, || {
+                queue.lock().unwrap().push((slot, 4));
+                true
+            }));
+        };
+        let b = {
+            let (waited, queue) = (waited.clone(), queue.clone());
+            thread::spawn(move || wait_on(&waited, &queue, B))
+        };
+        let a = {
+            let (waited, queue) = (waited.clone(), queue.clone());
+            thread::spawn(move || wait_on(&waited, &queue, A))
+        };
+        thread::yield_now();
+        let relied = waited.covers(A, 4);
+        if relied {
+            queue.lock().unwrap().push((0, 0));
+        }
+        a.join().unwrap();
+        b.join().unwrap();
+        let items = queue.lock().unwrap().clone();
+        if let Some(at) = items.iter().position(|&i| i == (0, 0)) {
+            assert!(items[..at].contains(&(A, 4)), "work relied on A's note ahead of A's wait: {items:?}");
+        }
+        assert!(!waited.covers(A, 5) && !waited.covers(B, 5), "no note covers an event not waited on");
+        assert!(waited.covers(A, 4) || waited.covers(B, 4), "the word holds one of the two notes");
+    });
+}

@@ -18,22 +18,34 @@
 //!   follows the writer's enqueue. Noting first would let another thread's work run ahead of
 //!   the wait (the loom model `a_wait_is_relied_on_only_once_it_is_enqueued`, in
 //!   `loom_tests/tests/reclaim.rs`, fails that way).
-//! * Notes only grow (`fetch_max`), and a missing one only costs a wait: slots past
-//!   [`WAITED_SLOTS`] are never noted.
+//! * A note only grows while it stays, and a missing one only costs a wait. The table has
+//!   [`WAITED_SLOTS`] words, direct-mapped by slot: each word holds one slot's note, tagged
+//!   with the slot, and a wait on another slot of the same word replaces it (a CAS). Slots
+//!   are never reused, so a server that makes a stream per request gives out slots past the
+//!   table's size; with slots past it left out, as before, its streams waited on the device
+//!   again for memory an earlier wait covered.
 //!
 //! Lock-free because placements for one stream run on every worker thread at once; one
-//! atomic word per other stream, made lazily a chunk at a time.
+//! atomic word per table entry, made lazily a chunk at a time.
 
 use crate::arena::words::LazyWords;
 use crate::sync::atomic::Ordering;
 
-/// Slots whose waits a stream remembers; waits on streams of higher slots are made each time.
+/// Words of the table: slots `s` and `s + WAITED_SLOTS` share one.
 pub const WAITED_SLOTS: usize = 4096;
+/// Bits of a note for the event number (+ 1); the slot is above them.
+const SEQ_BITS: u32 = crate::arena::space::SEQ_BITS;
+const SEQ_MASK: u64 = (1 << SEQ_BITS) - 1;
 
-/// For one stream: per other stream's slot, the newest event of it this stream has been made
-/// to wait on (its number + 1; 0 for none).
+/// For one stream: per other stream's slot (direct-mapped), the newest event of it this
+/// stream has been made to wait on, as `slot << SEQ_BITS | (number + 1)`; 0 for none.
 pub struct Waited {
     words: LazyWords,
+}
+
+/// The note of event `seq` of the stream of `slot`.
+fn note(slot: u32, seq: u64) -> u64 {
+    (u64::from(slot) << SEQ_BITS) | seq.saturating_add(1).min(SEQ_MASK)
 }
 
 impl Default for Waited {
@@ -46,7 +58,10 @@ impl Waited {
     /// Whether this stream has already been made to wait on event `seq`, or a later one, of
     /// the stream of `slot`: memory fenced `seq` there is then ready for it.
     pub fn covers(&self, slot: u32, seq: u64) -> bool {
-        self.words.get(slot as usize, false).is_some_and(|w| w.load(Ordering::Acquire) > seq)
+        self.words.get(slot as usize % WAITED_SLOTS, false).is_some_and(|w| {
+            let n = w.load(Ordering::Acquire);
+            n >> SEQ_BITS == u64::from(slot) && n & SEQ_MASK > seq
+        })
     }
 
     /// Make this stream wait on event `seq` of the stream of `slot` with `enqueue` (the
@@ -56,8 +71,16 @@ impl Waited {
         let enqueued = enqueue();
         if enqueued {
             // After the enqueue: a placement that reads this enqueues its work after the wait.
-            if let Some(w) = self.words.get(slot as usize, true) {
-                w.fetch_max(seq.saturating_add(1), Ordering::AcqRel);
+            if let Some(w) = self.words.get(slot as usize % WAITED_SLOTS, true) {
+                let mine = note(slot, seq);
+                let mut cur = w.load(Ordering::Acquire);
+                // The slot's own newer note stays; another slot's gives way.
+                while cur >> SEQ_BITS != u64::from(slot) || cur < mine {
+                    match w.compare_exchange_weak(cur, mine, Ordering::AcqRel, Ordering::Acquire) {
+                        Ok(_) => break,
+                        Err(now) => cur = now,
+                    }
+                }
             }
         }
         enqueued
@@ -88,9 +111,15 @@ mod tests {
     }
 
     #[test]
-    fn slots_past_the_table_are_never_covered() {
+    fn slots_sharing_a_word_take_it_in_turn_and_never_cover_each_other() {
         let w = Waited::default();
-        assert!(w.wait(WAITED_SLOTS as u32, 1, || true), "the wait is made all the same");
-        assert!(!w.covers(WAITED_SLOTS as u32, 0));
+        let (a, b) = (5, 5 + WAITED_SLOTS as u32);
+        assert!(w.wait(a, 9, || true));
+        assert!(w.covers(a, 9) && !w.covers(b, 0), "slot {b} shares the word, not the note");
+        assert!(w.wait(b, 2, || true), "a slot past the table is noted too");
+        assert!(w.covers(b, 2) && !w.covers(b, 3));
+        assert!(!w.covers(a, 0), "its note gave way: the next take waits again");
+        assert!(w.wait(b, 1, || true));
+        assert!(w.covers(b, 2), "an older wait of the same slot does not undo a newer one");
     }
 }
