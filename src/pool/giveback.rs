@@ -165,12 +165,8 @@ impl PoolInner {
         let guard = epoch::pin();
         let dev = &self.device;
         let mut settled = false;
-        // The streams with states, not every slot: a slot whose state is gone had its final
-        // event complete and can have nothing pending (`prune_orphans`), and a server that
-        // made a stream per request had tens of thousands of those, walked at every climb.
-        // A stream between the registry and the orphans is missed by this one poll only.
-        let (reg, orphans) = (self.registry.load(), self.orphans.load());
-        for st in reg.by_id.values().chain(orphans.iter()) {
+        // The streams with states, not every slot (see `states`).
+        for st in self.states() {
             if !st.fence.has_pending(&guard) {
                 continue;
             }
@@ -181,7 +177,6 @@ impl PoolInner {
             }
             settled |= st.fence.poll(|ev| dev.query_event(ev).unwrap_or(false), &guard);
         }
-        drop((reg, orphans));
         let broken = self.config.break_event_guard_for_tests;
         let b = self.cross.poll(
             |evs| broken || evs.iter().all(|ev| dev.query_event(ev).unwrap_or(false)),
@@ -268,10 +263,8 @@ impl PoolInner {
         let guard = epoch::pin();
         let dev = &self.device;
         let mut waited = false;
-        // The streams with states, as `settle` polls them: a slot whose state is gone has
-        // every fence complete.
-        let (reg, orphans) = (self.registry.load(), self.orphans.load());
-        for st in reg.by_id.values().chain(orphans.iter()) {
+        // The streams with states, not every slot (see `states`).
+        for st in self.states() {
             let (stream, fence) = (&st.stream, &*st.fence);
             if !wanted(stream) || fence.is_complete(fence.stamp()) {
                 continue;

@@ -198,7 +198,11 @@ impl PoolInner {
         self.registry.load().slots.get(slot.checked_sub(1)? as usize)?.state.upgrade()
     }
 
-    /// Every stream's state, destroyed ones included.
+    /// Every stream's state, destroyed ones included: every stream whose fences may still be
+    /// pending. A slot whose state is gone had its final event complete (`prune_orphans`), so
+    /// polls and host waits walk these, not every slot: a server that made a stream per
+    /// request had tens of thousands of slots, walked at every climb. A stream between the
+    /// registry and the orphans is missed by one such walk only.
     pub(crate) fn states(&self) -> Vec<Arc<StreamState>> {
         let mut v: Vec<_> = self.registry.load().by_id.values().cloned().collect();
         v.extend(self.orphans.load().iter().cloned());
