@@ -17,7 +17,9 @@
 //! (its memory, default 64), `--costs` (the simulator spends an H200 driver's costs, maps
 //! and loans queued behind one driver lock), `--no-trade` (`PoolConfig::trade_pages_on_map`
 //! off), `--map-run-pages N`, `--largest-cached N` and `--thread-cache N`
-//! (`PoolConfig::largest_cached_class` and `thread_cache_bytes`, in bytes).
+//! (`PoolConfig::largest_cached_class` and `thread_cache_bytes`, in bytes), `--hold F` (before
+//! the threads start, hold F of `max_reserved` in 64 MiB blocks until the end, as an LLM
+//! server holds its KV cache: the window then runs in what is left).
 
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -41,6 +43,7 @@ struct Args {
     costs: bool,
     sim: bool,
     sim_gib: u64,
+    hold: f64,
     config: PoolConfig,
 }
 
@@ -52,6 +55,7 @@ fn parse() -> Result<Args, String> {
         costs: false,
         sim: false,
         sim_gib: 64,
+        hold: 0.0,
         config: PoolConfig::default(),
     };
     let mut warm = None;
@@ -67,6 +71,13 @@ fn parse() -> Result<Args, String> {
             "--costs" => a.costs = true,
             "--sim" => a.sim = true,
             "--sim-gib" => a.sim_gib = num(it.next(), "--sim-gib")?.max(1),
+            "--hold" => {
+                a.hold = it
+                    .next()
+                    .and_then(|s| s.parse().ok())
+                    .filter(|f: &f64| (0.0..1.0).contains(f))
+                    .ok_or("--hold needs a fraction in [0, 1)")?
+            }
             "--no-trade" => a.config.trade_pages_on_map = false,
             "--largest-cached" => a.config.largest_cached_class = num(it.next(), "--largest-cached")?,
             "--thread-cache" => a.config.thread_cache_bytes = num(it.next(), "--thread-cache")?,
@@ -84,6 +95,25 @@ fn step(cache: &vrampool::StreamCache, slots: &mut [Option<Block>], rng: &mut Rn
     let fresh = cache.alloc(size).map_err(|e| format!("alloc of {size} B: {e}"))?;
     slots[i] = Some(fresh);
     Ok(())
+}
+
+/// `--hold`: `fraction` of `max_reserved` in 64 MiB blocks (the last one smaller), on a
+/// stream of its own that is synchronized before the window starts.
+fn hold(pool: &Pool, dev: &dyn Device, fraction: f64) -> Result<Vec<Block>, String> {
+    let mut left = (pool.max_reserved() as f64 * fraction) as u64;
+    if left == 0 {
+        return Ok(Vec::new());
+    }
+    let stream = dev.create_stream().map_err(|e| e.to_string())?;
+    let mut blocks = Vec::new();
+    while left > 0 {
+        let size = left.min(64 << 20);
+        blocks.push(pool.alloc(size as usize, &stream).map_err(|e| format!("{} MiB held: {e}", blocks.len() * 64))?);
+        left -= size;
+    }
+    dev.synchronize(&stream).map_err(|e| e.to_string())?;
+    println!("holding {:.0} MiB in {} blocks", mib((pool.max_reserved() as f64 * fraction) as u64), blocks.len());
+    Ok(blocks)
 }
 
 fn mib(b: u64) -> f64 {
@@ -111,6 +141,13 @@ fn main() {
         Ok(s) => s,
         Err(e) => {
             eprintln!("window: streams: {e}");
+            std::process::exit(1);
+        }
+    };
+    let held = match hold(&pool, &*dev, args.hold) {
+        Ok(h) => h,
+        Err(e) => {
+            eprintln!("window: --hold: {e}");
             std::process::exit(1);
         }
     };
@@ -163,6 +200,7 @@ fn main() {
             }
         }
     }
+    drop(held);
     let pairs = args.pairs * args.threads as u64;
     println!(
         "{} threads: {:.2} M pairs/s in aggregate ({:.1} ns a pair per thread)",

@@ -15,14 +15,17 @@
 //! 1. `a_window_of_mixed_sizes_is_refused_only_above_95_percent`: 8 threads × 4 streams, 32
 //!    live blocks each of 1 B – 8 MiB (log-uniform), ~520,000 allocations, on a 320 MiB
 //!    device with `max_reserved` 256 MiB (issue 11).
-//! 2. `filling_to_the_brim_from_several_streams_is_refused_only_above_95_percent`: 4 threads,
+//! 2. `a_window_beside_a_kv_cache_is_refused_only_above_95_percent`: a KV cache of 62.5% of
+//!    the limit held throughout, and beside it 8 threads × 4 streams, 32 live blocks each of
+//!    1 B – 4 MiB.
+//! 3. `filling_to_the_brim_from_several_streams_is_refused_only_above_95_percent`: 4 threads,
 //!    each on its own stream, allocate blocks of 64 KiB – 32 MiB until refused, then free a
 //!    random half and go on, so the pool lives at its limit and every refusal is a
 //!    judgement: memory one stream freed must serve another's request, with a device or host
 //!    wait if need be, rather than fail it.
 //!
-//! `VRAMPOOL_NEAR_LIMIT_ALLOCS` sets the allocations of a run (release default: 520,000 and
-//! 80,000; debug builds run a tenth).
+//! `VRAMPOOL_NEAR_LIMIT_ALLOCS` sets the allocations of a run (release default: 520,000,
+//! 320,000 and 80,000; debug builds run a tenth).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -284,6 +287,54 @@ fn a_window_of_mixed_sizes_is_refused_only_above_95_percent() {
     });
     let (_, below, lowest) = world.finish("window", started);
     report("window", below, lowest);
+}
+
+/// A server's KV cache, placed once and held: ten blocks of 16 MiB (62.5% of the limit);
+/// beside it 8 threads × 4 streams keep 32 live activations each of 1 B – 4 MiB (all of
+/// cached classes), so that the pool lives near its limit with most of it pinned.
+///
+/// Issue 11's bar, not met: in three runs 1,831–2,005 of about 2,000 refusals were at or
+/// below 95% (lowest 0.865–0.881), as in two runs before the caches learnt to leave the KV
+/// cache out of their rule (1,833–1,968, lowest 0.872–0.881). At a refusal the caches are
+/// off (allocated within 5 MiB of live): the 30 MiB free are in pages that small blocks
+/// still use in part, and a request of 2–4 MiB needs whole ones.
+#[test]
+#[ignore = "issue 11's bar: ~1,900 refusals at or below 95% of max_reserved remain (lowest 0.87-0.88)"]
+fn a_window_beside_a_kv_cache_is_refused_only_above_95_percent() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    const THREADS: usize = 8;
+    const STREAMS: usize = 4;
+    const WINDOW: usize = 32;
+    let world = World::new(STREAMS);
+    let mut kv = world.worker(0, 1);
+    let cache: Vec<Held> = (0..10).map(|_| kv.alloc(16 * MIB).expect("the KV cache fits")).collect();
+    let per_thread = allocs(320_000) / THREADS as u64;
+    let started = Instant::now();
+    std::thread::scope(|scope| {
+        for t in 0..THREADS {
+            let world = &world;
+            scope.spawn(move || {
+                let mut w = world.worker(t % STREAMS, 0x6a09_e667_f3bc_c908 ^ ((t as u64) << 32));
+                let mut window: Vec<Option<Held>> = (0..WINDOW).map(|_| None).collect();
+                for _ in 0..per_thread {
+                    let slot = w.rng.below(WINDOW as u64) as usize;
+                    if let Some(old) = window[slot].take() {
+                        w.free(old);
+                    }
+                    let size = w.rng.log_uniform(1, 4 * MIB);
+                    window[slot] = w.alloc(size);
+                }
+                for held in window.into_iter().flatten() {
+                    w.free(held);
+                }
+            });
+        }
+    });
+    for held in cache {
+        kv.free(held);
+    }
+    let (_, below, lowest) = world.finish("kv", started);
+    report("kv", below, lowest);
 }
 
 // Issue 11's bar, not met: ~4,000 of ~8,700 refusals at or below 95% (lowest 0.58–0.75).

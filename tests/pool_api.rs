@@ -192,6 +192,25 @@ fn a_pool_that_once_mapped_near_its_limit_caches_again_once_its_blocks_are_gone(
 }
 
 #[test]
+fn a_server_holding_its_kv_cache_near_the_limit_still_serves_from_its_caches() {
+    let (_dev, pool, s) = pool(1 << 30);
+    // A KV cache of large blocks, placed once and held: fifteen sixteenths of the limit.
+    let big = 16 << 20;
+    let kv: Vec<Block> =
+        (0..pool.max_reserved() / big as u64 * 15 / 16).map(|_| pool.alloc(big, &s).unwrap()).collect();
+    assert!(pool.stats().reserved_bytes > pool.max_reserved() / 8 * 7);
+    let cache = pool.stream_cache(&s).unwrap();
+    // The first pairs teach the cache that the large blocks stay put.
+    small_pairs(&cache, 2_000);
+    let before = pool.stats();
+    small_pairs(&cache, 2_000);
+    let st = pool.stats();
+    let (allocs, hits) = (st.allocs - before.allocs, st.t0_hits - before.t0_hits);
+    assert!(hits * 10 > allocs * 9, "the room beside the KV cache is cached: {hits} hits of {allocs} ({st:?})");
+    drop(kv);
+}
+
+#[test]
 fn a_thread_keeps_no_cache_for_streams_destroyed_before_its_next_new_one() {
     let (dev, pool, _s) = pool(1 << 30);
     for _ in 0..100 {

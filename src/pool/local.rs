@@ -14,6 +14,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use super::block::{Block, Placed, NO_CLASS};
+use super::watch::{GrowthWatch, Pinned};
 use super::{PoolInner, StreamState};
 use crate::cache::thread::{CacheShared, Hit, Slot, Spill};
 use crate::class;
@@ -38,21 +39,10 @@ const BORROW_CLASSES: usize = 16;
 const BORROW_CLASSES_NEAR_LIMIT: usize = 8;
 
 /// ... and for large blocks this many (three quarters of a doubling), but none while the
-/// pool grows ([`GROWTH_COLD_CALLS`]): the extra capacity is held while the block lives, and
-/// on large blocks it shows in the footprint. Without large borrowing the random window
+/// pool grows ([`GROWTH_COLD_CALLS`](super::watch::GROWTH_COLD_CALLS)): the extra capacity
+/// is held while the block lives, and on large blocks it shows in the footprint. Without large borrowing the random window
 /// takes 250 ns a pair instead of 24 (criterion, simulator), so it stays in the steady state.
 const BORROW_CLASSES_LARGE: usize = 6;
-
-/// After the pool took more of its arena than before (the bytes out of the space — live,
-/// cached, retiring or held by streams — a growth step past the high last counted: see
-/// [`GrowthWatch`]), a thread's cache borrows no large block for this many of its
-/// cold-path calls. A block borrowed while the pool grows
-/// is often one that lives as long as the program (weights loaded on four streams at once
-/// borrowed 35 MiB of larger blocks on `threads_streams`: peak reserved ÷ peak live
-/// 1.083–1.105 with borrowing, 1.048–1.060 without), and every byte it wastes then is a
-/// byte of the peak, or of a reserve ([`crate::Pool::reserve`]) the pool grows into; in the
-/// steady state the high stays put and borrowing only saves misses.
-const GROWTH_COLD_CALLS: u32 = 256;
 
 /// What a thread's cache keeps when the pool's peak rises: the rest it gives back at its
 /// owner's next slow path ([`ThreadCache::shed_if_grew`]). A busy thread's cache is never
@@ -87,47 +77,10 @@ pub(crate) struct ThreadCache {
     growing: Cell<bool>,
     /// Whether the pool grows, as this cache sees it.
     growth: GrowthWatch,
+    /// The live large bytes that stay put, as this cache sees them.
+    pinned: Pinned,
     /// The pool's `shed_peak` this cache last acted on.
     shed_seen: Cell<u64>,
-}
-
-/// Whether a pool is growing, from the bytes out of its space as one cache sees them at its
-/// cold-path calls: it is for [`GROWTH_COLD_CALLS`] calls after they rose a growth step
-/// ([`growth_step`]) past the high last counted. Any new high at all used to count, and in
-/// a steady state the high still creeps up now and then (the largest value of a random
-/// walk grows with time): four threads' random window (simulator, 2 cores, eight runs
-/// each) missed their caches on 1.55–2.05% of allocations so, and on 1.07–1.66% with the
-/// step, as without the rule; `threads_streams`, the trace the rule is for, read 1.048–1.056
-/// either way. Loading weights moves the bytes by many steps.
-struct GrowthWatch {
-    counted: Cell<u64>,
-    left: Cell<u32>,
-}
-
-impl GrowthWatch {
-    /// Growing from the start: a new cache's first calls are a pool's first use as often
-    /// as not.
-    fn new(held: u64) -> GrowthWatch {
-        GrowthWatch { counted: Cell::new(held), left: Cell::new(GROWTH_COLD_CALLS) }
-    }
-
-    /// One cold-path call that sees `held` bytes out of the space: whether the pool grows.
-    fn observe(&self, held: u64) -> bool {
-        let counted = self.counted.get();
-        if held >= counted.saturating_add(growth_step(counted)) {
-            self.counted.set(held);
-            self.left.set(GROWTH_COLD_CALLS);
-        } else {
-            self.left.set(self.left.get().saturating_sub(1));
-        }
-        self.left.get() > 0
-    }
-}
-
-/// How far past the high last counted the bytes out of the space must go to count as
-/// growth: a 64th of that high, and at least a chunk.
-fn growth_step(high: u64) -> u64 {
-    (high / 64).max(crate::arena::stream::CHUNK)
 }
 
 impl ThreadCache {
@@ -138,9 +91,10 @@ impl ThreadCache {
             shared: pool.register_cache(stream),
             pool: Arc::clone(pool),
             stream: Arc::clone(stream),
-            near: Cell::new(pool.short_of_memory()),
+            near: Cell::new(pool.short_of_memory(0)),
             growing: Cell::new(true),
             growth: GrowthWatch::new(pool.space_held()),
+            pinned: Pinned::new(pool.large_placed.load(Ordering::Relaxed)),
             shed_seen: Cell::new(pool.shed_peak.load(Ordering::Acquire)),
         };
         tc.set_reach();
@@ -193,7 +147,12 @@ impl ThreadCache {
     pub(crate) fn alloc_cold(&self, bytes: usize, class: Option<usize>, site: &'static Location) -> Result<Placed> {
         let pool = &*self.pool;
         self.shed_if_grew();
-        let (near, growing) = (pool.short_of_memory(), self.pool_growing());
+        let pinned = self.pinned.observe(
+            self.shared.counters.t0_hits.load(Ordering::Relaxed),
+            pool.large_live.load(Ordering::Relaxed),
+            pool.large_placed.load(Ordering::Relaxed),
+        );
+        let (near, growing) = (pool.short_of_memory(pinned), self.pool_growing());
         if (near, growing) != (self.near.get(), self.growing.get()) {
             self.near.set(near);
             self.growing.set(growing);
@@ -762,54 +721,4 @@ pub(crate) fn flush(pool: &PoolInner) {
         };
         drop(mine);
     });
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const MIB: u64 = 1 << 20;
-
-    #[test]
-    fn a_rise_of_a_step_counts_as_growth_for_the_next_cold_calls() {
-        let w = GrowthWatch::new(100 * MIB);
-        for _ in 0..GROWTH_COLD_CALLS {
-            w.observe(100 * MIB);
-        }
-        assert!(!w.observe(100 * MIB), "a pool that stays put stops growing");
-        assert!(w.observe(100 * MIB + growth_step(100 * MIB)), "a step up is growth");
-        for _ in 1..GROWTH_COLD_CALLS {
-            assert!(w.observe(100 * MIB), "for the calls that follow it");
-        }
-        assert!(!w.observe(100 * MIB));
-    }
-
-    #[test]
-    fn a_high_that_creeps_up_by_less_than_a_step_is_not_growth_until_it_adds_up_to_one() {
-        let w = GrowthWatch::new(512 * MIB);
-        for _ in 0..GROWTH_COLD_CALLS {
-            w.observe(512 * MIB);
-        }
-        let step = growth_step(512 * MIB);
-        assert_eq!(step, 8 * MIB, "a 64th of the high");
-        // New highs one 64 KiB granule at a time, as a steady state makes them.
-        let mut held = 512 * MIB;
-        while held + (64 << 10) < 512 * MIB + step {
-            held += 64 << 10;
-            assert!(!w.observe(held), "a creep of {} KiB is not growth", (held - 512 * MIB) >> 10);
-        }
-        assert!(w.observe(512 * MIB + step), "a whole step from the last counted high is");
-    }
-
-    #[test]
-    fn a_small_pool_grows_by_a_chunk_at_least() {
-        assert_eq!(growth_step(0), crate::arena::stream::CHUNK);
-        assert_eq!(growth_step(64 * MIB), crate::arena::stream::CHUNK);
-        let w = GrowthWatch::new(0);
-        for _ in 0..GROWTH_COLD_CALLS {
-            w.observe(0);
-        }
-        assert!(!w.observe(MIB));
-        assert!(w.observe(2 * MIB));
-    }
 }

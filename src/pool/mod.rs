@@ -42,6 +42,7 @@ mod place;
 mod sites;
 mod snapshot;
 mod streams;
+mod watch;
 
 // The C ABI's hot paths use these; the C ABI is not built under loom.
 #[cfg(not(loom))]
@@ -260,6 +261,11 @@ pub(crate) struct PoolInner {
     map_budget: AtomicU64,
     /// Bytes kept mapped through trims (pre-allocation).
     floor: AtomicU64,
+    /// Bytes of live blocks above the largest cached class, which no cache ever holds, and
+    /// of all such blocks ever placed (see [`PoolInner::short_of_memory`]). Counted where
+    /// such blocks are placed and released, both slow paths.
+    pub(crate) large_live: AtomicU64,
+    pub(crate) large_placed: AtomicU64,
     registry: ArcSwap<Registry>,
     /// Destroyed streams. Kept: a late free of one of their blocks finds its state here.
     orphans: ArcSwap<Vec<Arc<StreamState>>>,
@@ -351,6 +357,8 @@ impl Pool {
             cache_budget: crate::sync::Arc::new(Budget::new(config_max_cached)),
             map_budget: AtomicU64::new(0),
             floor: AtomicU64::new(0),
+            large_live: AtomicU64::new(0),
+            large_placed: AtomicU64::new(0),
             registry: ArcSwap::from_pointee(Registry::default()),
             orphans: ArcSwap::from_pointee(Vec::new()),
             caches: ArcSwap::from_pointee(Vec::new()),
@@ -497,7 +505,22 @@ impl PoolInner {
         if let Some(t) = &self.sites {
             t.insert(addr, sites::Site { bytes: bytes as u64, size, stream: st.stream.id(), at: site });
         }
-        Ok(Placed::uncached(addr, size))
+        Ok(self.placed_uncached(addr, size))
+    }
+
+    /// A block that no class holds, counted in `large_live` when it is above every class;
+    /// [`PoolInner::release_uncached`] takes it off by the same test of the same size.
+    fn placed_uncached(&self, addr: u64, size: u64) -> Placed {
+        if self.above_classes(size) {
+            self.large_live.fetch_add(size, Ordering::Relaxed);
+            self.large_placed.fetch_add(size, Ordering::Relaxed);
+        }
+        Placed::uncached(addr, size)
+    }
+
+    /// Whether a block of `size` is larger than every cached class.
+    fn above_classes(&self, size: u64) -> bool {
+        self.hot.classes.checked_sub(1).is_none_or(|c| size > class::size_of_class(c))
     }
 
     /// A cached class missed T0 and T1: the arena (through the ladder) serves a block of the
@@ -526,7 +549,7 @@ impl PoolInner {
             self.counters.on_alloc();
         }
         let held = self.held_size(addr, size);
-        Ok(if held == size { Placed::cached(addr, size, class) } else { Placed::uncached(addr, held) })
+        Ok(if held == size { Placed::cached(addr, size, class) } else { self.placed_uncached(addr, held) })
     }
 
     /// The bytes a placement of `size` at `addr` holds: `size`, or, for a small block that
@@ -559,6 +582,9 @@ impl PoolInner {
     /// [`PoolInner::free_slow`]'s work, timed by it.
     fn release_uncached(&self, addr: u64, size: u64, stream: StreamId, used_on: Vec<Stream>) {
         self.counters.on_free();
+        if self.above_classes(size) {
+            self.large_live.fetch_sub(size, Ordering::Relaxed);
+        }
         if let Some(t) = &self.sites {
             t.remove(addr);
         }
@@ -624,18 +650,35 @@ impl PoolInner {
     }
 
     /// Whether memory is short: the pool is [near its limit](PoolInner::near_limit) and more
-    /// than half of what it may map is out of the space (live, cached, retiring, or in chunks
-    /// streams hold). Then the thread caches serve misses at the size asked, not a class's,
-    /// and borrow less far (module `local`). Mapped pages alone do not make memory short: a
-    /// pool keeps the pages it mapped when its blocks go, and a server that had once filled
-    /// most of the device kept its caches off for good (every allocation on the slow path:
-    /// 408 ns a pair instead of 5 on the development machine). Below half, a class's
-    /// rounding (at most an eighth of what is live) cannot take what another request needs;
-    /// above it, the near-limit stresses (`tests/near_limit.rs`) refused no more than with
-    /// mapped pages alone (with seven eighths held as the bar instead, the mixed window
-    /// refused 91 requests at or below 95% of the limit, where it had refused none).
-    pub(crate) fn short_of_memory(&self) -> bool {
-        self.near_limit() && self.space_held() > self.max_reserved / 2
+    /// than half of the room that `pinned` bytes of live large blocks leave is out of the
+    /// space (live, cached, retiring, or in chunks streams hold). Then the thread caches serve
+    /// misses at the size asked, not a class's, and borrow less far (module `local`).
+    ///
+    /// - Mapped pages alone do not make memory short: a pool keeps the pages it mapped when
+    ///   its blocks go, and a server that had once filled most of the device kept its caches
+    ///   off for good (every allocation on the slow path: 408 ns a pair instead of 5 on the
+    ///   development machine).
+    /// - Below half, a class's rounding (at most an eighth of what is live) cannot take what
+    ///   another request needs; above it, the near-limit stresses (`tests/near_limit.rs`)
+    ///   refused no more than with mapped pages alone (with seven eighths held as the bar
+    ///   instead, the mixed window refused 91 requests at or below 95% of the limit, where it
+    ///   had refused none).
+    /// - `pinned` (a caller's estimate, at most the bytes of live blocks above the largest
+    ///   cached class that were placed a while ago: `watch::Pinned`) is left out of both
+    ///   sides: no cache holds those blocks, no class rounds them and they do not come and go,
+    ///   so what the caches can cost is measured against the room left beside them. An LLM
+    ///   server holding most of `max_reserved` in its KV cache kept its caches off for good
+    ///   otherwise: `window --hold 0.86` ran every allocation as a miss. Large blocks that
+    ///   come and go stay in: leaving every live large block out made the mixed window, whose
+    ///   blocks of 4–8 MiB are half its bytes, refuse 2–7 requests at or below 95% of the
+    ///   limit in six runs, against 0–1 with none left out.
+    pub(crate) fn short_of_memory(&self, pinned: u64) -> bool {
+        if !self.near_limit() {
+            return false;
+        }
+        let held = self.space_held();
+        let pinned = pinned.min(held);
+        held - pinned > self.max_reserved.saturating_sub(pinned) / 2
     }
 
     /// Every cached class.
