@@ -670,8 +670,8 @@ impl PoolInner {
     ///   server holding most of `max_reserved` in its KV cache kept its caches off for good
     ///   otherwise: `window --hold 0.86` ran every allocation as a miss. Large blocks that
     ///   come and go stay in: leaving every live large block out made the mixed window, whose
-    ///   blocks of 4–8 MiB are half its bytes, refuse 2–7 requests at or below 95% of the
-    ///   limit in six runs, against 0–1 with none left out.
+    ///   blocks of 4–8 MiB are half its bytes, refuse 1–7 requests at or below 95% of the
+    ///   limit in each of seven runs, against 0–1 with none left out.
     pub(crate) fn short_of_memory(&self, pinned: u64) -> bool {
         if !self.near_limit() {
             return false;
