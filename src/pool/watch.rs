@@ -113,6 +113,7 @@ impl Pinned {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sync::atomic::Ordering;
 
     const MIB: u64 = 1 << 20;
 
@@ -151,6 +152,37 @@ mod tests {
         let est = calls(&p, 2 * PINNED_PERIOD, kv + 16 * MIB, placed);
         assert!(est <= kv + 16 * MIB - 16 * MIB * (PINNED_PERIOD / 64), "{est}: the period's logits are off");
         assert!(est >= kv + 16 * MIB - 16 * MIB * (2 * PINNED_PERIOD / 64), "{est}: at most two periods' are");
+    }
+
+    /// The counts `Pinned` reads go back to nothing when every large block is back, by
+    /// whichever path it came and went.
+    #[test]
+    fn every_large_block_is_off_the_live_count_once_freed() {
+        use crate::{Device, Pool, PoolConfig, SimDevice};
+        for config in [PoolConfig::default(), PoolConfig { track_sites: true, ..PoolConfig::default() }] {
+            let dev = SimDevice::new(1 << 30);
+            let pool = Pool::new(dev.clone(), config).unwrap();
+            let (s, other, doomed) = (dev.new_stream().unwrap(), dev.new_stream().unwrap(), dev.new_stream().unwrap());
+            let cache = pool.stream_cache(&s).unwrap();
+            let live = || pool.inner.large_live.load(Ordering::Relaxed);
+            let mut blocks = vec![pool.alloc(9 << 20, &s).unwrap(), cache.alloc(5 << 20).unwrap()];
+            blocks.push(pool.alloc(6 << 20, &doomed).unwrap());
+            let shared = cache.alloc(12 << 20).unwrap();
+            shared.record_stream(&other);
+            blocks.push(shared);
+            blocks.push(pool.alloc(3 << 20, &s).unwrap());
+            assert!(live() >= (9 + 5 + 6 + 12) << 20, "{}", live());
+            let placed = pool.inner.large_placed.load(Ordering::Relaxed);
+            assert!(placed >= live());
+            let last = blocks.split_off(2);
+            drop(blocks);
+            dev.synchronize(&doomed).unwrap();
+            dev.destroy_stream(&doomed).unwrap();
+            drop(last);
+            pool.trim().unwrap();
+            assert_eq!(live(), 0, "every large block went back");
+            assert_eq!(pool.inner.large_placed.load(Ordering::Relaxed), placed, "placements only add");
+        }
     }
 
     #[test]
