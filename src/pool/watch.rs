@@ -11,9 +11,9 @@ use std::cell::Cell;
 
 /// After the pool took more of its arena than before (the bytes out of the space — live,
 /// cached, retiring or held by streams — a growth step past the high last counted: see
-/// [`GrowthWatch`]), a thread's cache borrows no large block (`local::BORROW_CLASSES_LARGE`) for this many of its
-/// cold-path calls. A block borrowed while the pool grows
-/// is often one that lives as long as the program (weights loaded on four streams at once
+/// [`GrowthWatch`]), a thread's cache borrows no large block (`local::BORROW_CLASSES_LARGE`)
+/// for this many of its cold-path calls. A block borrowed while the pool grows is often
+/// one that lives as long as the program (weights loaded on four streams at once
 /// borrowed 35 MiB of larger blocks on `threads_streams`: peak reserved ÷ peak live
 /// 1.083–1.105 with borrowing, 1.048–1.060 without), and every byte it wastes then is a
 /// byte of the peak, or of a reserve ([`crate::Pool::reserve`]) the pool grows into; in the
@@ -100,7 +100,7 @@ impl Pinned {
     pub(crate) fn observe(&self, hits: u64, live: u64, placed: u64) -> u64 {
         self.cold_calls.set(self.cold_calls.get() + 1);
         let allocs = hits + self.cold_calls.get();
-        if allocs - self.began_at.get() >= PINNED_PERIOD {
+        if allocs.saturating_sub(self.began_at.get()) >= PINNED_PERIOD {
             self.last_period.set(placed.saturating_sub(self.placed_then.get()));
             self.began_at.set(allocs);
             self.placed_then.set(placed);
@@ -116,7 +116,6 @@ mod tests {
     use crate::sync::atomic::Ordering;
 
     const MIB: u64 = 1 << 20;
-
     const GIB: u64 = 1 << 30;
 
     /// Runs `calls` cold-path calls of a cache that made no hits, with the pool's large
