@@ -146,6 +146,24 @@ fn small_pairs(cache: &StreamCache, n: usize) {
     }
 }
 
+/// [`small_pairs`] through `cache`, and how many of its allocations the pool counted and
+/// how many of them hit T0.
+fn small_pair_hits(pool: &Pool, cache: &StreamCache, n: usize) -> (u64, u64) {
+    let before = pool.stats();
+    small_pairs(cache, n);
+    let st = pool.stats();
+    (st.allocs - before.allocs, st.t0_hits - before.t0_hits)
+}
+
+/// Blocks of 16 MiB on `s` up to fifteen sixteenths of `max_reserved`: past seven eighths
+/// mapped, where the near-limit rules apply.
+fn fill_past_seven_eighths(pool: &Pool, s: &Stream) -> Vec<Block> {
+    let big = 16 << 20;
+    let blocks = (0..pool.max_reserved() / big as u64 * 15 / 16).map(|_| pool.alloc(big, s).unwrap()).collect();
+    assert!(pool.stats().reserved_bytes > pool.max_reserved() / 8 * 7);
+    blocks
+}
+
 #[test]
 fn every_allocation_below_the_caches_is_counted_by_the_rung_that_placed_it() {
     let (_dev, pool, s) = pool(64 << 20);
@@ -179,33 +197,23 @@ fn every_allocation_below_the_caches_is_counted_by_the_rung_that_placed_it() {
 fn a_pool_that_once_mapped_near_its_limit_caches_again_once_its_blocks_are_gone() {
     let (_dev, pool, s) = pool(1 << 30);
     // Mapped past seven eighths of the limit, then everything freed: the pages stay mapped.
-    let big = 16 << 20;
-    let burst = (pool.max_reserved() / big as u64 * 15 / 16) as usize;
-    drop((0..burst).map(|_| pool.alloc(big, &s).unwrap()).collect::<Vec<Block>>());
-    let before = pool.stats();
-    assert!(before.reserved_bytes > pool.max_reserved() / 8 * 7, "{before:?}");
+    drop(fill_past_seven_eighths(&pool, &s));
+    assert!(pool.stats().reserved_bytes > pool.max_reserved() / 8 * 7);
     let cache = pool.stream_cache(&s).unwrap();
-    small_pairs(&cache, 2_000);
-    let st = pool.stats();
-    let (allocs, hits) = (st.allocs - before.allocs, st.t0_hits - before.t0_hits);
-    assert!(hits * 10 > allocs * 9, "the caches serve again: {hits} hits of {allocs} ({st:?})");
+    let (allocs, hits) = small_pair_hits(&pool, &cache, 2_000);
+    assert!(hits * 10 > allocs * 9, "the caches serve again: {hits} hits of {allocs} ({:?})", pool.stats());
 }
 
 #[test]
 fn a_server_holding_its_kv_cache_near_the_limit_still_serves_from_its_caches() {
     let (_dev, pool, s) = pool(1 << 30);
-    // A KV cache of large blocks, placed once and held: fifteen sixteenths of the limit.
-    let big = 16 << 20;
-    let kv: Vec<Block> =
-        (0..pool.max_reserved() / big as u64 * 15 / 16).map(|_| pool.alloc(big, &s).unwrap()).collect();
-    assert!(pool.stats().reserved_bytes > pool.max_reserved() / 8 * 7);
+    // A KV cache of large blocks, placed once and held.
+    let kv = fill_past_seven_eighths(&pool, &s);
     let cache = pool.stream_cache(&s).unwrap();
     // The first pairs teach the cache that the large blocks stay put.
     small_pairs(&cache, 2_000);
-    let before = pool.stats();
-    small_pairs(&cache, 2_000);
+    let (allocs, hits) = small_pair_hits(&pool, &cache, 2_000);
     let st = pool.stats();
-    let (allocs, hits) = (st.allocs - before.allocs, st.t0_hits - before.t0_hits);
     assert!(hits * 10 > allocs * 9, "the room beside the KV cache is cached: {hits} hits of {allocs} ({st:?})");
     drop(kv);
 }

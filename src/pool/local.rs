@@ -40,8 +40,9 @@ const BORROW_CLASSES_NEAR_LIMIT: usize = 8;
 
 /// ... and for large blocks this many (three quarters of a doubling), but none while the
 /// pool grows ([`GROWTH_COLD_CALLS`](super::watch::GROWTH_COLD_CALLS)): the extra capacity
-/// is held while the block lives, and on large blocks it shows in the footprint. Without large borrowing the random window
-/// takes 250 ns a pair instead of 24 (criterion, simulator), so it stays in the steady state.
+/// is held while the block lives, and on large blocks it shows in the footprint. Without
+/// large borrowing the random window takes 250 ns a pair instead of 24 (criterion,
+/// simulator), so it stays in the steady state.
 const BORROW_CLASSES_LARGE: usize = 6;
 
 /// What a thread's cache keeps when the pool's peak rises: the rest it gives back at its
