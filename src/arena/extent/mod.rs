@@ -70,12 +70,17 @@
 //!   thread holds for a moment and will roll back, or that lie below a stale hint. Claims of
 //!   runs that span words are bracketed by `in_flight`; a claim inside one word is one CAS,
 //!   which sets the whole run or nothing, so no walk can see it half done and it needs no
-//!   bracket (two RMWs fewer on most large blocks and every chunk). A rollback bumps `changes` (after clearing and lowering the
-//!   hint, before leaving `in_flight`). `alloc` answers `None` only after a walk from word 0
-//!   (hint ignored) found no run while nothing was in flight and `changes` did not move;
-//!   otherwise it walks again, spinning with `spin_hint`. A free needs neither: it only makes
-//!   room, and a walk that misses a free under way may answer `None`, the allocation then
-//!   ordered before the free (two RMWs fewer on every free). Every write to
+//!   bracket (two RMWs fewer on most large blocks and every chunk). A rollback bumps
+//!   `changes` (after clearing and lowering the hint, before leaving `in_flight`). `alloc`
+//!   answers `None` only after a confirming walk (from the hint it reads then, between
+//!   `SeqCst` fences) found no run while nothing was in flight and `changes` did not move;
+//!   otherwise it walks again, spinning with `spin_hint`. The confirming walk starts at the
+//!   hint, not at word 0: below it every word is full but in a rollback's window (which
+//!   `in_flight` brackets) or a free's (which may be missed), and a prefix held for good (a
+//!   server's KV cache: tens of thousands of words) was walked at every failed placement.
+//!   A free needs neither: it only makes room, and a walk that misses a free under way may
+//!   answer `None`, the allocation then ordered before the free (two RMWs fewer on every
+//!   free). Every write to
 //!   the words and counters is an `AcqRel` RMW, with `SeqCst` fences around the walk, so a walk
 //!   that saw a word in its held state also sees the `in_flight` increment made before it.
 //!   A successful claim only sets bits, so it need not bump `changes`: the state at the end of
@@ -406,8 +411,8 @@ impl Extents {
     /// once the block is claimed, which is the answer that counts: what it reads may change
     /// until the granules are this call's. A block refused after its claim is given back
     /// whole, exactly as it was. `None` when no free run satisfies both (confirmed as for
-    /// `alloc`: a walk from word 0 with nothing in flight and nothing changed but this call's
-    /// own give-backs).
+    /// `alloc`: a fenced walk from the hint with nothing in flight and nothing changed but
+    /// this call's own give-backs).
     pub fn alloc_with(
         &self,
         bytes: u64,
@@ -419,17 +424,17 @@ impl Extents {
         }
         let k = bytes.div_ceil(self.granule());
         let len = k << self.shift;
-        let (mut from_zero, mut restart) = (false, None::<u64>);
+        let (mut confirming, mut restart) = (false, None::<u64>);
         // Give-backs of refused blocks made by this call: `changes` moves by these alone
         // when nobody else changed anything.
         let mut own = 0usize;
         let mut before = self.flight.changes.load(Ordering::Acquire);
         loop {
-            if from_zero {
+            if confirming {
                 // Only a confirming walk needs its reads ordered after `before`'s.
                 fence(Ordering::SeqCst);
             }
-            let found = self.first_fit_with(k, align, from_zero, restart, &mut |g| {
+            let found = self.first_fit_with(k, align, restart, &mut |g| {
                 accept(self.base + (g << self.shift), len).map_err(|bad| self.granule_past(bad))
             });
             match found {
@@ -437,7 +442,7 @@ impl Extents {
                     Ok(addr) => return Some(addr),
                     Err(None) => {
                         // Lost the run to another claim: someone made progress; walk again.
-                        (from_zero, restart) = (false, None);
+                        (confirming, restart) = (false, None);
                         continue;
                     }
                     Err(Some(bad)) => {
@@ -453,7 +458,7 @@ impl Extents {
                 Fit::None => {}
             }
             fence(Ordering::SeqCst);
-            if from_zero {
+            if confirming {
                 // `in_flight` first: a claim or free in flight bumps `changes` before it
                 // leaves, so once it is seen gone its change is seen too.
                 let quiet = self.flight.in_flight.load(Ordering::Acquire) == 0;
@@ -464,8 +469,10 @@ impl Extents {
                 spin_hint();
                 (before, own) = (now, 0);
             }
-            // Confirm a failure with a walk from word 0: the hint may be high for a moment.
-            (from_zero, restart) = (true, None);
+            // Confirm a failure with a second walk, its reads ordered after `before`'s: the
+            // first may have missed granules a rollback held, and the counters read after
+            // this one tell. From the hint, not word 0 (module docs).
+            (confirming, restart) = (true, None);
         }
     }
 
@@ -546,15 +553,13 @@ impl Extents {
         Ok(addr)
     }
 
-    /// One walk for [`Extents::alloc_with`]: from the hint (or word 0 when `from_zero`, or
-    /// granule `restart`), the first `align`-aligned run of `k` free granules that `accept`
-    /// (given a candidate's first granule) does not refuse; raises the hint past the full
-    /// words it saw.
+    /// One walk for [`Extents::alloc_with`]: from the hint (or granule `restart`, if higher),
+    /// the first `align`-aligned run of `k` free granules that `accept` (given a candidate's
+    /// first granule) does not refuse; raises the hint past the full words it saw.
     fn first_fit_with(
         &self,
         k: u64,
         align: u64,
-        from_zero: bool,
         restart: Option<u64>,
         accept: &mut dyn FnMut(u64) -> Result<(), u64>,
     ) -> Fit {
@@ -562,8 +567,7 @@ impl Extents {
         let hint = (seen & HINT_INDEX) as usize;
         let min_start = restart.unwrap_or(0);
         let from = match restart {
-            Some(g) => ((g / BITS) as usize).max(if from_zero { 0 } else { hint }),
-            None if from_zero => 0,
+            Some(g) => ((g / BITS) as usize).max(hint),
             None => hint,
         };
         // A run this long holds an aligned candidate wherever it starts, also when the first
