@@ -80,9 +80,9 @@
 //!   server's KV cache: tens of thousands of words) was walked at every failed placement.
 //!   A free needs neither: it only makes room, and a walk that misses a free under way may
 //!   answer `None`, the allocation then ordered before the free (two RMWs fewer on every
-//!   free). Every write to
-//!   the words and counters is an `AcqRel` RMW, with `SeqCst` fences around the walk, so a walk
-//!   that saw a word in its held state also sees the `in_flight` increment made before it.
+//!   free). Every write to the words and counters is an `AcqRel` RMW, with `SeqCst` fences
+//!   around the walk, so a walk that saw a word in its held state also sees the `in_flight`
+//!   increment made before it.
 //!   A successful claim only sets bits, so it need not bump `changes`: the state at the end of
 //!   such a walk then truly has no run of `k`.
 
