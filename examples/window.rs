@@ -100,10 +100,11 @@ fn step(cache: &vrampool::StreamCache, slots: &mut [Option<Block>], rng: &mut Rn
 /// `--hold`: `fraction` of `max_reserved` in 64 MiB blocks (the last one smaller), on a
 /// stream of its own that is synchronized before the window starts.
 fn hold(pool: &Pool, dev: &dyn Device, fraction: f64) -> Result<Vec<Block>, String> {
-    let mut left = (pool.max_reserved() as f64 * fraction) as u64;
-    if left == 0 {
+    let total = (pool.max_reserved() as f64 * fraction) as u64;
+    if total == 0 {
         return Ok(Vec::new());
     }
+    let mut left = total;
     let stream = dev.create_stream().map_err(|e| e.to_string())?;
     let mut blocks = Vec::new();
     while left > 0 {
@@ -112,7 +113,7 @@ fn hold(pool: &Pool, dev: &dyn Device, fraction: f64) -> Result<Vec<Block>, Stri
         left -= size;
     }
     dev.synchronize(&stream).map_err(|e| e.to_string())?;
-    println!("holding {:.0} MiB in {} blocks", mib((pool.max_reserved() as f64 * fraction) as u64), blocks.len());
+    println!("holding {:.0} MiB in {} blocks", mib(total), blocks.len());
     Ok(blocks)
 }
 
