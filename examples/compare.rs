@@ -15,13 +15,14 @@
 //!
 //! Workloads: the hot pair (1 MiB, one thread, best of 3), the random window (1, 4 and 16
 //! threads, each its own stream, 64 live blocks, sizes log-uniform 256 B – 4 MiB drawn before
-//! timing) and the three traces of `benches/traces`. Each measurement runs for a fixed time
+//! timing) and the traces of `benches/traces`, or instead the traces named with `--trace`
+//! (as `PoolConfig::record_trace` or `VRAMPOOL_RECORD_TRACE` write them: your own workload). Each measurement runs for a fixed time
 //! (the iteration count follows from it), so every allocator gets ~0.4–0.8 s however slow
 //! it is, after a warm-up of the same length for all (the window: half the measured time);
 //! `--quick` runs every measurement 10× shorter.
 //!
 //! ```text
-//! cargo run --release --example compare [-- --quick] [--map-run-pages N]
+//! cargo run --release --example compare [-- --quick] [--map-run-pages N] [--trace FILE.csv[.gz] ...]
 //! ```
 //!
 //! Without a GPU it says so and exits 0. A failing driver call is printed and exits 1.
@@ -527,6 +528,30 @@ fn now_utc() -> String {
     }
 }
 
+/// A trace to replay: its name, PyTorch's figure for it where known, the events.
+struct Named {
+    name: String,
+    pytorch: Option<f64>,
+    trace: Trace,
+}
+
+/// A trace file given with `--trace`, gzip'd or plain; its name is the file's, without
+/// `.csv` and `.gz`.
+fn load_trace_file(path: &str) -> Named {
+    let parsed = std::fs::File::open(path).map_err(|e| e.to_string()).and_then(|f| {
+        if path.ends_with(".gz") {
+            Trace::parse(BufReader::new(flate2::read::GzDecoder::new(f)))
+        } else {
+            Trace::parse(BufReader::new(f))
+        }
+        .map_err(|e| e.to_string())
+    });
+    let trace = parsed.unwrap_or_else(|e| die(&format!("trace {path}: {e}")));
+    let file = path.rsplit('/').next().unwrap_or(path);
+    let name = file.trim_end_matches(".gz").trim_end_matches(".csv").to_string();
+    Named { name, pytorch: None, trace }
+}
+
 fn load_trace(name: &str) -> Option<Trace> {
     let candidates = [
         format!("{}/benches/traces/{name}.csv.gz", env!("CARGO_MANIFEST_DIR")),
@@ -554,13 +579,18 @@ fn main() {
     let mut quick = false;
     let mut config = PoolConfig::default();
     let usage = || -> ! {
-        eprintln!("usage: compare [--quick] [--map-run-pages N (1 to {})]", PoolConfig::MAX_MAP_RUN_PAGES);
+        eprintln!(
+            "usage: compare [--quick] [--map-run-pages N (1 to {})] [--trace FILE.csv[.gz] ...]",
+            PoolConfig::MAX_MAP_RUN_PAGES
+        );
         std::process::exit(2);
     };
+    let mut given: Vec<String> = Vec::new();
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--quick" => quick = true,
+            "--trace" => given.push(args.next().unwrap_or_else(|| usage())),
             "--map-run-pages" => match args.next().and_then(|v| v.parse::<usize>().ok()) {
                 Some(n) if (1..=PoolConfig::MAX_MAP_RUN_PAGES).contains(&n) => config.map_run_pages = n,
                 _ => usage(),
@@ -596,7 +626,16 @@ fn main() {
         if quick { "; --quick: every measurement 10× shorter" } else { "" }
     );
 
-    let traces: Vec<(usize, Trace)> = (0..TRACES.len()).filter_map(|i| load_trace(TRACES[i]).map(|t| (i, t))).collect();
+    let traces: Vec<Named> = if given.is_empty() {
+        (0..TRACES.len())
+            .filter_map(|i| {
+                let trace = load_trace(TRACES[i])?;
+                Some(Named { name: TRACES[i].to_string(), pytorch: PYTORCH_RATIO[i], trace })
+            })
+            .collect()
+    } else {
+        given.iter().map(|p| load_trace_file(p)).collect()
+    };
 
     // The driver's pool caches everything, and is warmed up.
     let mempool = MemPool::default_of(&dev);
@@ -727,7 +766,8 @@ fn main() {
 
     // ---- trace replay
     println!();
-    println!("== trace replay (benches/traces; time per event, alloc or free, one pass) ==");
+    let from = if given.is_empty() { "benches/traces" } else { "--trace" };
+    println!("== trace replay ({from}; time per event, alloc or free, one pass) ==");
     println!(
         "   vrampool (fresh pool) and cuMemAllocAsync (pool trimmed to 0) start with nothing mapped: their growth"
     );
@@ -743,8 +783,8 @@ fn main() {
     );
     let adev: Arc<dyn Device> = Arc::new(dev.clone());
     let mut replay_stats: Vec<(&str, Report)> = Vec::new();
-    for (ti, trace) in &traces {
-        let name = TRACES[*ti];
+    for Named { name, pytorch, trace } in &traces {
+        let name = name.as_str();
         let peak_live = trace.peak_live();
         let mib = |b: u64| format!("{:.1} MiB", b as f64 / MIB as f64);
         let row = |alloc: &str, events: String, ns: f64, vs: String, reserved: Option<u64>| {
@@ -810,7 +850,7 @@ fn main() {
         let (done, took) = replay_raw(trace, &mut w, &one_lane, Duration::from_secs(600));
         let ns = took.as_nanos() as f64 / done.max(1) as f64;
         row(NAMES[3], done.to_string(), ns, versus(ns, vram_ns), Some(w[0].high - bf_base));
-        if let Some(ratio) = PYTORCH_RATIO[*ti] {
+        if let Some(ratio) = pytorch {
             println!(
                 "{name:<20} {:<24} {:>8} {:>12}  {:<15} {:>10} {:>13} {ratio:>9.3}",
                 "PyTorch (recorded)", "", "", "", "", ""

@@ -140,6 +140,12 @@ void *vrampool_malloc_to_pool(ssize_t size, int device, void *stream, uint64_t p
 // while a capture is declared). Returns 0, or a `vrampool_status` with the error set.
 int vrampool_empty_cache(void);
 
+// Write out the traces the pools record (`VRAMPOOL_RECORD_TRACE`): every line buffered so
+// far reaches its file. Returns 0 (also when nothing records), or a `vrampool_status` with
+// the error set (a write failed: the recording stopped there). The lines also reach the
+// file when the process exits normally.
+int vrampool_flush_traces(void);
+
 // Device `device`'s statistics as one JSON object, as `snprintf` writes: returns the
 // length of the whole JSON (without its NUL), writes at most `len` bytes including a NUL,
 // and accepts `buf = NULL, len = 0` to ask for the length. The keys are the fields of

@@ -60,6 +60,14 @@ fn a_c_program_uses_every_entry_point_and_every_bad_input_is_refused() {
     );
     run(sim_env(&mut Command::new(&exe)), "tests/c/abi_test.c");
     run(Command::new(&exe).arg("bad-config").env("VRAMPOOL_DEVICE", "gpu"), "tests/c/abi_test.c bad-config");
+    // The trace a process records: the lines after its last flush reach the file at exit.
+    let trace = out_dir.join("trace.csv");
+    run(sim_env(Command::new(&exe).arg("trace").env("VRAMPOOL_RECORD_TRACE", &trace)), "tests/c/abi_test.c trace");
+    let text = std::fs::read_to_string(&trace).expect("the trace was written");
+    assert_eq!(
+        text, "op,id,size,stream\na,0,1000,0\na,1,3145728,1\nf,0,1000,0\nf,1,3145728,1\na,2,77,0\n",
+        "every event, in order, the last three written at exit"
+    );
     let _ = std::fs::remove_dir_all(&out_dir);
 }
 

@@ -151,6 +151,9 @@ pub(crate) fn begin(device: usize, id: PoolId) -> Result<()> {
             let limit = config.max_reserved.unwrap_or(dev.total_memory() / 10 * 8);
             config.address_range = Some(limit.saturating_mul(2));
             config.preallocate = 0;
+            // The device's trace is the registry pool's file; a graph pool's blocks are not
+            // in it (a second writer would truncate it).
+            config.record_trace = None;
             // A graph replays into memory its tensors freed: no page of the pool may be
             // unmapped or lent elsewhere before the pool finishes (invariant 4).
             config.trade_pages_on_map = false;

@@ -258,6 +258,21 @@ pub extern "C" fn vrampool_empty_cache() -> c_int {
     })
 }
 
+/// Write out the traces the pools record (`VRAMPOOL_RECORD_TRACE`): every line buffered so
+/// far reaches its file. Returns 0 (also when nothing records), or a `vrampool_status` with
+/// the error set (a write failed: the recording stopped there). The lines also reach the
+/// file when the process exits normally.
+#[no_mangle]
+pub extern "C" fn vrampool_flush_traces() -> c_int {
+    guarded("vrampool_flush_traces", vrampool_status::VRAMPOOL_ERROR_INTERNAL as c_int, || {
+        foreign::settle(true);
+        match registry::flush_traces() {
+            Ok(_) => 0,
+            Err(e) => AbiError::from_error("vrampool_flush_traces", Counter::FailedCalls, &e).report(),
+        }
+    })
+}
+
 /// Device `device`'s statistics as one JSON object, as `snprintf` writes: returns the
 /// length of the whole JSON (without its NUL), writes at most `len` bytes including a NUL,
 /// and accepts `buf = NULL, len = 0` to ask for the length. The keys are the fields of

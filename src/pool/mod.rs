@@ -39,6 +39,7 @@ mod ladder;
 mod leaks;
 mod local;
 mod place;
+mod record;
 mod sites;
 mod snapshot;
 mod streams;
@@ -169,6 +170,15 @@ pub struct PoolConfig {
     /// made in a lock-free map), so that when it is off the hit path carries nothing for it.
     /// Default false.
     pub track_sites: bool,
+    /// Write every allocation and free to this file as a trace (CSV `op,id,size,stream`,
+    /// what `examples/replay.rs` and [`crate::replay`] play), so that a server's own
+    /// workload can be replayed offline against other configurations and allocators. Lines
+    /// are buffered; [`Pool::flush_trace`] writes them out (and a dropped pool does). Like
+    /// `track_sites`, it keeps the caches empty (every allocation and free takes the slow
+    /// paths, where the line is written under a lock, in the order the events happened):
+    /// a measuring tool, not for production runs. A path that cannot be created fails
+    /// [`Pool::new`]. Default `None`.
+    pub record_trace: Option<std::path::PathBuf>,
     /// Test-only: treat every fence and retire event as complete and skip device waits, so
     /// memory freed on one stream can be handed to another before the GPU is done with it.
     /// Exists so that stress tests can show they catch a broken guard; never set it otherwise.
@@ -204,6 +214,7 @@ impl Default for PoolConfig {
             cross_stream_waits: true,
             preallocate: 0,
             track_sites: false,
+            record_trace: None,
             break_event_guard_for_tests: false,
         }
     }
@@ -281,6 +292,8 @@ pub(crate) struct PoolInner {
     counters: CachePadded<Counters>,
     /// Live blocks with their sites, when `config.track_sites`.
     sites: Option<sites::Sites>,
+    /// The trace being written, when `config.record_trace`.
+    recorder: Option<record::Recorder>,
 }
 
 /// See [`PoolInner::hot`].
@@ -313,8 +326,10 @@ impl Pool {
         if g == 0 || !g.is_power_of_two() || g < ALIGN {
             return Err(Error::InvalidArgument(format!("device granularity {g} is not a power of two ≥ 256")));
         }
-        // Tracking sites keeps every allocation off the hit path: no class is cached.
-        let classes = if config.track_sites { 0 } else { class::classes_up_to(config.largest_cached_class) };
+        // Tracking sites or recording keeps every allocation off the hit path: no class is
+        // cached.
+        let slow_only = config.track_sites || config.record_trace.is_some();
+        let classes = if slow_only { 0 } else { class::classes_up_to(config.largest_cached_class) };
         let caps: Box<[u8]> =
             (0..classes).map(|c| mag_cap(class::size_of_class(c), config.magazine_bytes) as u8).collect();
         let max_reserved = config.max_reserved.unwrap_or(total / 10 * 8);
@@ -327,6 +342,7 @@ impl Pool {
         let range = want
             .checked_next_power_of_two()
             .ok_or_else(|| Error::InvalidArgument(format!("address range {want} is too large")))?;
+        let recorder = config.record_trace.as_deref().map(record::Recorder::create).transpose()?;
         let base = device.reserve(range)?;
         let made = (|| {
             let start = base.next_multiple_of(unit);
@@ -369,6 +385,7 @@ impl Pool {
             shed_peak: AtomicU64::new(0),
             dormant: dormant::Dormant::default(),
             sites,
+            recorder,
         });
         let pool = Pool { _handle: Arc::new(LastHandle(Arc::clone(&inner))), inner };
         if preallocate > 0 {
@@ -450,6 +467,21 @@ impl Pool {
         self.inner.reserve(bytes)
     }
 
+    /// Write the lines of [`PoolConfig::record_trace`] buffered so far to its file: the
+    /// events written since the pool was made, or the error that stopped the recording (a
+    /// full disk, say). `Ok(0)` for a pool that does not record.
+    pub fn flush_trace(&self) -> Result<u64> {
+        self.inner.recorder.as_ref().map_or(Ok(0), |r| r.flush())
+    }
+
+    /// [`Pool::flush_trace`] if no thread is writing a line now, errors kept for a later
+    /// flush: what the registry's pools, never dropped, do as the process exits.
+    pub(crate) fn flush_trace_if_idle(&self) {
+        if let Some(r) = &self.inner.recorder {
+            r.flush_if_idle();
+        }
+    }
+
     /// Check the pool's books (invariant 3 of the design): every block in a cache tier or
     /// the retire queue is walked and must agree with the tiers' counters; no block is in
     /// two places or overlaps free memory; every chunk a stream holds is known by its owner
@@ -504,6 +536,9 @@ impl PoolInner {
         self.counters.on_alloc();
         if let Some(t) = &self.sites {
             t.insert(addr, sites::Site { bytes: bytes as u64, size, stream: st.stream.id(), at: site });
+        }
+        if let Some(r) = &self.recorder {
+            r.alloc(addr, bytes as u64, st.stream.id());
         }
         Ok(self.placed_uncached(addr, size))
     }
@@ -587,6 +622,9 @@ impl PoolInner {
         }
         if let Some(t) = &self.sites {
             t.remove(addr);
+        }
+        if let Some(r) = &self.recorder {
+            r.free(addr, stream);
         }
         let span = Span { addr, size };
         let Some(st) = self.state_by_id(stream) else {

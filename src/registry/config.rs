@@ -37,7 +37,9 @@ pub struct Config {
     /// `VRAMPOOL_MAP_RUN_PAGES` ([`PoolConfig::map_run_pages`], default
     /// [`REGISTRY_MAP_RUN_PAGES`]), `VRAMPOOL_TRADE_PAGES`
     /// ([`PoolConfig::trade_pages_on_map`]), `VRAMPOOL_CROSS_STREAM_WAITS`
-    /// ([`PoolConfig::cross_stream_waits`]); the rest as [`PoolConfig::default`].
+    /// ([`PoolConfig::cross_stream_waits`]), `VRAMPOOL_RECORD_TRACE`
+    /// ([`PoolConfig::record_trace`]; device N > 0 writes the path with `.N` appended); the
+    /// rest as [`PoolConfig::default`].
     pub pool: PoolConfig,
 }
 
@@ -69,6 +71,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ("VRAMPOOL_MAP_RUN_PAGES", "pages mapped as one allocation when a block needs several, 1 to 64 (default 16)"),
     ("VRAMPOOL_TRADE_PAGES", "1 | 0: past its peak, lend free pages rather than map new ones (default 1)"),
     ("VRAMPOOL_CROSS_STREAM_WAITS", "1 | 0: let a stream wait on the device for memory another freed (default 1)"),
+    (
+        "VRAMPOOL_RECORD_TRACE",
+        "file to write every allocation and free to, as a trace for replay; slows the pool (default: none)",
+    ),
 ];
 
 impl Default for Config {
@@ -139,6 +145,9 @@ impl Config {
         }
         if let Some(on) = switch("VRAMPOOL_CROSS_STREAM_WAITS")? {
             c.pool.cross_stream_waits = on;
+        }
+        if let Some(path) = get("VRAMPOOL_RECORD_TRACE").filter(|v| !v.trim().is_empty()) {
+            c.pool.record_trace = Some(path.into());
         }
         c.validate()?;
         Ok(c)
@@ -244,6 +253,7 @@ mod tests {
             ("VRAMPOOL_MAP_RUN_PAGES", "1"),
             ("VRAMPOOL_TRADE_PAGES", "off"),
             ("VRAMPOOL_CROSS_STREAM_WAITS", "0"),
+            ("VRAMPOOL_RECORD_TRACE", "/tmp/a trace.csv"),
         ])
         .unwrap();
         assert_eq!(c.device, DeviceChoice::Sim);
@@ -256,6 +266,7 @@ mod tests {
         assert_eq!(c.pool.map_run_pages, 1);
         assert!(!c.pool.trade_pages_on_map);
         assert!(!c.pool.cross_stream_waits);
+        assert_eq!(c.pool.record_trace, Some("/tmp/a trace.csv".into()), "a path is taken as written");
     }
 
     #[test]

@@ -168,6 +168,40 @@ pub fn trim() -> Result<()> {
     first
 }
 
+/// Write out the traces the pools record ([`crate::PoolConfig::record_trace`],
+/// `VRAMPOOL_RECORD_TRACE`): the events written by every pool so far, or the first error,
+/// after all were tried. The registry's pools are never dropped, so their last lines reach
+/// the file here, or when the process exits normally (an `atexit` handler flushes every
+/// pool no thread is writing to at that moment).
+pub fn flush_traces() -> Result<u64> {
+    let mut total = Ok(0);
+    for e in entries() {
+        let r = e.pool.flush_trace();
+        total = match (total, r) {
+            (Ok(t), Ok(n)) => Ok(t + n),
+            (Err(first), _) | (Ok(_), Err(first)) => Err(first),
+        };
+    }
+    total
+}
+
+/// Register, once, the `atexit` handler of [`flush_traces`].
+fn flush_traces_at_exit() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    extern "C" fn at_exit() {
+        // Nothing may unwind out of an exit handler.
+        let _ = std::panic::catch_unwind(|| entries().for_each(|e| e.pool.flush_trace_if_idle()));
+    }
+    ONCE.call_once(|| {
+        // SAFETY: `at_exit` is a plain `extern "C" fn()` that lives as long as the program
+        // (the library is never unloaded while its pools live: they are never dropped).
+        let rc = unsafe { libc::atexit(at_exit) };
+        if rc != 0 {
+            tracing::warn!("atexit refused the trace flush: call registry::flush_traces before exiting");
+        }
+    });
+}
+
 /// The entries made so far.
 pub(crate) fn entries() -> impl Iterator<Item = &'static Entry> {
     // SAFETY: a published entry is never dropped or replaced (see the module docs).
@@ -208,7 +242,15 @@ fn make_entry(device: usize, slot: &AtomicPtr<Entry>) -> Result<&'static Entry> 
         }
         DeviceKind::Cuda => cuda_device(device)?,
     };
-    let pool = Pool::with_device(dev, config.pool.clone())?;
+    let mut pool_config = config.pool.clone();
+    if let Some(path) = pool_config.record_trace.as_mut().filter(|_| device > 0) {
+        path.as_mut_os_string().push(format!(".{device}"));
+    }
+    let records = pool_config.record_trace.is_some();
+    let pool = Pool::with_device(dev, pool_config)?;
+    if records {
+        flush_traces_at_exit();
+    }
     let entry = Box::new(Entry { ordinal: device, pool, kind, streams: Streams::new(config.max_streams) });
     let p = Box::into_raw(entry);
     // Release: whoever loads the pointer sees the entry whole.
