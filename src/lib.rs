@@ -26,6 +26,8 @@
 //! - What the memory holds: [`Pool::snapshot`] (every mapped byte live, cached, retiring or
 //!   free), [`Pool::leaks`] (what is still out; with [`PoolConfig::track_sites`], where it
 //!   was allocated), [`Pool::check`] (the books).
+//! - Your own workload as a trace: [`PoolConfig::record_trace`] writes every allocation and
+//!   free in the format [`replay`] plays (`VRAMPOOL_RECORD_TRACE` for the C ABI).
 //! - Devices: `CudaDevice` (feature `cuda`, the driver API loaded at run time) and
 //!   [`SimDevice`], a simulated GPU as strict as CUDA; [`device::auto`] picks one. C, C++ and
 //!   PyTorch: [`ffi`] (`libvrampool.so`, `include/vrampool.h`); one pool per device for a
