@@ -2,7 +2,7 @@
 //!
 //! Every failure is a value: nothing in vrampool panics across its API. Variants carry the
 //! figures a user needs to act (an out-of-memory error says what was asked, what is mapped,
-//! what is live, cached, retiring and the largest free block).
+//! what is live, cached, retiring and the longest free stretch of mapped memory).
 
 use std::fmt;
 
@@ -19,7 +19,8 @@ pub struct OutOfMemory {
     pub cached: u64,
     /// Bytes freed on a stream whose work has not been observed complete.
     pub retiring: u64,
-    /// The largest block the arena could hand out without mapping.
+    /// The largest block the pool could hand out without mapping: its longest free stretch
+    /// of mapped memory (`Stats::largest_free_mapped`).
     pub largest_free: u64,
     /// The pool's mapping limit.
     pub max_reserved: u64,
@@ -84,7 +85,7 @@ impl fmt::Display for Error {
                 write!(
                     f,
                     "out of device memory: asked {requested} B ({:.1} MiB); reserved {:.1} MiB of at most {:.1} MiB, \
-                 allocated {:.1} MiB, cached {:.1} MiB, retiring {:.1} MiB, largest free block {:.1} MiB",
+                 allocated {:.1} MiB, cached {:.1} MiB, retiring {:.1} MiB, largest free stretch of mapped memory {:.1} MiB",
                     *requested as f64 / MIB,
                     *reserved as f64 / MIB,
                     *max_reserved as f64 / MIB,

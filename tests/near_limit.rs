@@ -274,7 +274,7 @@ impl Worker<'_> {
                 let live = returned.live;
                 let what = format!(
                     "{size} B asked with {:.1} MiB live; the pool had {:.1} MiB reserved, {:.1} allocated, \
-                     {:.1} cached, {:.1} retiring, largest free {:.1}",
+                     {:.1} cached, {:.1} retiring, largest free stretch mapped {:.1}",
                     live as f64 / MIB as f64,
                     oom.reserved as f64 / MIB as f64,
                     oom.allocated as f64 / MIB as f64,

@@ -128,6 +128,10 @@ fn out_of_memory_carries_the_figures() {
             assert_eq!(oom.requested, 8 << 20);
             assert!(oom.reserved <= oom.max_reserved);
             assert_eq!(oom.allocated, held.len() as u64 * (8 << 20));
+            // What could be handed out without mapping: a stretch of the mapped memory, too
+            // short for the request (not the unmapped address space beyond it).
+            assert!(oom.largest_free < oom.requested, "{oom:?}");
+            assert!(oom.largest_free <= oom.reserved - oom.allocated, "{oom:?}");
         }
         other => panic!("expected OutOfMemory, got {other:?}"),
     }

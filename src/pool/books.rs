@@ -56,7 +56,7 @@ impl PoolInner {
     }
 
     /// (largest free stretch of mapped memory, free mapped bytes).
-    fn free_mapped(&self) -> (u64, u64) {
+    pub(super) fn free_mapped(&self) -> (u64, u64) {
         let page = self.pages.page_size();
         let mut mapped = Vec::new();
         self.pages.for_each_mapped(|p, _| mapped.push(p));

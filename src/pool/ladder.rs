@@ -155,7 +155,7 @@ impl PoolInner {
             allocated: s.allocated_bytes,
             cached: s.cached_bytes,
             retiring: s.retiring_bytes,
-            largest_free: s.largest_free_block,
+            largest_free: s.largest_free_mapped,
             max_reserved: self.max_reserved,
         })))
     }

@@ -618,7 +618,7 @@ impl PoolInner {
                         allocated: 0,
                         cached: 0,
                         retiring: 0,
-                        largest_free: self.space.largest_free(),
+                        largest_free: self.free_mapped().0,
                         max_reserved: self.max_reserved,
                     })));
                 };
