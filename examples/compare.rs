@@ -29,11 +29,12 @@
 
 #[path = "../benches/support/bestfit.rs"]
 mod bestfit;
+#[path = "support/trace_file.rs"]
+mod trace_file;
 
 use std::collections::HashMap;
 use std::ffi::{c_void, CStr};
 use std::hint::black_box;
-use std::io::BufReader;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -535,23 +536,15 @@ struct Named {
     trace: Trace,
 }
 
-/// A trace file given with `--trace`, gzip'd or plain; its name is the file's, without
-/// `.csv` and `.gz`.
+/// A trace file given with `--trace`; its name is the file's, without `.csv` and `.gz`.
 fn load_trace_file(path: &str) -> Named {
-    let parsed = std::fs::File::open(path).map_err(|e| e.to_string()).and_then(|f| {
-        if path.ends_with(".gz") {
-            Trace::parse(BufReader::new(flate2::read::GzDecoder::new(f)))
-        } else {
-            Trace::parse(BufReader::new(f))
-        }
-        .map_err(|e| e.to_string())
-    });
-    let trace = parsed.unwrap_or_else(|e| die(&format!("trace {path}: {e}")));
+    let trace = trace_file::load(path).unwrap_or_else(|e| die(&format!("trace {path}: {e}")));
     let file = path.rsplit('/').next().unwrap_or(path);
     let name = file.trim_end_matches(".gz").trim_end_matches(".csv").to_string();
     Named { name, pytorch: None, trace }
 }
 
+/// One of `benches/traces`, by name; None (said why) where it cannot be read.
 fn load_trace(name: &str) -> Option<Trace> {
     let candidates = [
         format!("{}/benches/traces/{name}.csv.gz", env!("CARGO_MANIFEST_DIR")),
@@ -561,16 +554,7 @@ fn load_trace(name: &str) -> Option<Trace> {
         println!("trace {name}: not found under benches/traces; skipped");
         return None;
     };
-    let parsed = std::fs::File::open(path)
-        .map_err(|e| e.to_string())
-        .and_then(|f| Trace::parse(BufReader::new(flate2::read::GzDecoder::new(f))).map_err(|e| e.to_string()));
-    match parsed {
-        Ok(t) => Some(t),
-        Err(e) => {
-            println!("trace {name}: {path}: {e}; skipped");
-            None
-        }
-    }
+    trace_file::load(path).map_err(|e| println!("trace {name}: {path}: {e}; skipped")).ok()
 }
 
 // ---------------------------------------------------------------------------------------

@@ -25,7 +25,6 @@
 //!   free pages' memory where a block lands (what a placement alone holds, and its speed).
 
 use std::collections::HashMap;
-use std::io::BufReader;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -40,14 +39,8 @@ use bestfit::BestFit;
 mod device;
 use device::gpu_or_sim;
 
-fn load(path: &str) -> Result<Trace, Box<dyn std::error::Error>> {
-    let file = std::fs::File::open(path)?;
-    Ok(if path.ends_with(".gz") {
-        Trace::parse(BufReader::new(flate2::read::GzDecoder::new(file)))?
-    } else {
-        Trace::parse(BufReader::new(file))?
-    })
-}
+#[path = "support/trace_file.rs"]
+mod trace_file;
 
 /// One pass of `trace` through `bf`: the time of its allocations and frees (the blocks left
 /// live at the end are freed untimed, so a second pass starts from an empty pool).
@@ -153,7 +146,7 @@ fn main() {
     );
     let mut traces = Vec::new();
     for path in &args.paths {
-        match load(path) {
+        match trace_file::load(path) {
             Ok(t) => traces.push((path.rsplit('/').next().unwrap_or(path).trim_end_matches(".gz").to_string(), t)),
             Err(e) => {
                 eprintln!("{path}: {e}");

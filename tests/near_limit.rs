@@ -81,7 +81,7 @@ impl Rng {
 }
 
 /// A refusal: the live bytes around it, the other threads' requests in flight when it
-/// returned, and what the pool said. Its utilisation is known once the run is over
+/// began and returned, and what the pool said. Its utilisation is known once the run is over
 /// ([`World::finish`]).
 struct Refusal {
     /// Bytes live when the call began, and the other threads' requests in flight then.
@@ -92,10 +92,10 @@ struct Refusal {
     what: String,
 }
 
-/// The live bytes at a moment, and the requests in flight: (worker, request number, bytes).
+/// The live bytes at a moment, and the other workers' slots of [`World::in_flight`] then.
 struct Moment {
     live: u64,
-    in_flight: Vec<(usize, u64, u64)>,
+    slots: [u64; MAX_WORKERS],
 }
 
 /// Most workers a world serves (their requests in flight are published in one slot each).
@@ -117,7 +117,7 @@ struct World {
     in_flight: [AtomicU64; MAX_WORKERS],
     workers: std::sync::atomic::AtomicUsize,
     /// Per worker, whether each of its requests succeeded (filled as workers finish).
-    granted: Mutex<Vec<Vec<bool>>>,
+    outcomes: Mutex<Vec<Vec<bool>>>,
 }
 
 /// A block and the bytes asked for it.
@@ -132,7 +132,7 @@ struct Worker<'w> {
     /// This worker's slot in [`World::in_flight`].
     me: usize,
     /// Whether each request so far succeeded (its number is its index).
-    granted: Vec<bool>,
+    outcomes: Vec<bool>,
     stream: usize,
     rng: Rng,
     /// Two events recorded 64 allocations apart: before recording one again the thread
@@ -159,7 +159,7 @@ impl World {
             errors: Mutex::new(Vec::new()),
             in_flight: [const { AtomicU64::new(0) }; MAX_WORKERS],
             workers: std::sync::atomic::AtomicUsize::new(0),
-            granted: Mutex::new(vec![Vec::new(); MAX_WORKERS]),
+            outcomes: Mutex::new(vec![Vec::new(); MAX_WORKERS]),
         }
     }
 
@@ -171,13 +171,8 @@ impl World {
     fn moment(&self, me: usize) -> Moment {
         let granted = self.granted_total.load(Ordering::Acquire);
         let live = granted.saturating_sub(self.freed_total.load(Ordering::Acquire));
-        let in_flight = (0..MAX_WORKERS)
-            .filter(|&o| o != me)
-            .map(|o| (o, self.in_flight[o].load(Ordering::Acquire)))
-            .filter(|&(_, v)| v != 0)
-            .map(|(o, v)| (o, v >> 32, v & 0xffff_ffff))
-            .collect();
-        Moment { live, in_flight }
+        let slots = std::array::from_fn(|o| if o == me { 0 } else { self.in_flight[o].load(Ordering::Acquire) });
+        Moment { live, slots }
     }
 
     fn error(&self, what: String) {
@@ -191,7 +186,7 @@ impl World {
         Worker {
             world: self,
             me,
-            granted: Vec::new(),
+            outcomes: Vec::new(),
             stream,
             rng: Rng(seed | 1),
             marks: [ev(), ev()],
@@ -211,9 +206,13 @@ impl World {
         self.pool.trim().unwrap();
         self.pool.check().unwrap();
         let refusals = self.refusals.lock().unwrap_or_else(|p| p.into_inner());
-        let granted = self.granted.lock().unwrap_or_else(|p| p.into_inner());
-        let succeeded = |&&(w, n, _): &&(usize, u64, u64)| granted[w].get(n as usize).copied().unwrap_or(false);
-        let served = |m: &Moment| m.live + m.in_flight.iter().filter(succeeded).map(|&(_, _, b)| b).sum::<u64>();
+        let outcomes = self.outcomes.lock().unwrap_or_else(|p| p.into_inner());
+        // A slot holds `number << 32 | bytes`: its bytes count if that request succeeded.
+        let succeeded = |w: usize, slot: u64| slot != 0 && outcomes[w].get((slot >> 32) as usize) == Some(&true);
+        let served = |m: &Moment| {
+            let in_flight = m.slots.iter().enumerate().filter(|&(w, &v)| succeeded(w, v));
+            m.live + in_flight.map(|(_, &v)| v & 0xffff_ffff).sum::<u64>()
+        };
         // (utilisation with the requests in flight that succeeded, without them, what the pool said)
         let judged: Vec<(f64, f64, &str)> = refusals
             .iter()
@@ -254,22 +253,21 @@ impl Worker<'_> {
     /// Allocate `size` bytes and use them on the stream; a refusal is recorded.
     fn alloc(&mut self, size: u64) -> Option<Held> {
         let w = self.world;
-        let number = self.granted.len() as u64;
+        let number = self.outcomes.len() as u64;
         w.in_flight[self.me].store(number << 32 | size, Ordering::Release);
         let began = w.moment(self.me);
         let got = w.pool.alloc(size as usize, self.stream());
-        self.granted.push(got.is_ok());
+        self.outcomes.push(got.is_ok());
+        // Out of its slot before it is counted granted (see `World::moment`).
+        w.in_flight[self.me].store(0, Ordering::Release);
         match got {
             Ok(block) => {
-                // Out of its slot first, then counted granted (see `World::moment`).
-                w.in_flight[self.me].store(0, Ordering::Release);
                 w.granted_total.fetch_add(size, Ordering::AcqRel);
                 w.allocs.fetch_add(1, Ordering::Relaxed);
                 self.use_on_stream(&block);
                 Some(Held { block, size })
             }
             Err(Error::OutOfMemory(oom)) => {
-                w.in_flight[self.me].store(0, Ordering::Release);
                 let returned = w.moment(self.me);
                 let live = returned.live;
                 let what = format!(
@@ -286,7 +284,6 @@ impl Worker<'_> {
                 None
             }
             Err(e) => {
-                w.in_flight[self.me].store(0, Ordering::Release);
                 w.error(format!("alloc({size}) on stream {}: {e}", self.stream));
                 None
             }
@@ -334,8 +331,8 @@ impl Worker<'_> {
 
 impl Drop for Worker<'_> {
     fn drop(&mut self) {
-        let mut all = self.world.granted.lock().unwrap_or_else(|p| p.into_inner());
-        all[self.me] = std::mem::take(&mut self.granted);
+        let mut all = self.world.outcomes.lock().unwrap_or_else(|p| p.into_inner());
+        all[self.me] = std::mem::take(&mut self.outcomes);
     }
 }
 

@@ -102,8 +102,7 @@ impl Recorder {
         let id = b.next_id;
         b.next_id += 1;
         b.live.insert(addr, (id, bytes));
-        let next = b.streams.len() as u32;
-        let s = *b.streams.entry(stream).or_insert(next);
+        let s = b.stream_number(stream);
         b.line(format_args!("a,{id},{bytes},{s}"));
     }
 
@@ -111,8 +110,7 @@ impl Recorder {
     pub(crate) fn free(&self, addr: u64, stream: StreamId) {
         let mut b = self.books();
         let Some((id, bytes)) = b.live.remove(&addr) else { return };
-        let next = b.streams.len() as u32;
-        let s = *b.streams.entry(stream).or_insert(next);
+        let s = b.stream_number(stream);
         b.line(format_args!("f,{id},{bytes},{s}"));
     }
 
@@ -120,19 +118,13 @@ impl Recorder {
     /// stopped the recording.
     pub(crate) fn flush(&self) -> Result<u64> {
         let mut b = self.books();
-        if let Some(out) = b.out.as_mut() {
-            if let Err(e) = out.flush() {
-                b.stop(e);
-            }
-        }
+        b.flush();
         match &b.failed {
             Some(why) => Err(Error::InvalidArgument(format!("trace file {}: {why}", self.path.display()))),
             None => Ok(b.events),
         }
     }
-}
 
-impl Recorder {
     /// As [`Recorder::flush`], but only if no thread is writing a line now: for the end of
     /// the process, where a thread stopped mid-line must not stop the exit.
     pub(crate) fn flush_if_idle(&self) {
@@ -141,15 +133,24 @@ impl Recorder {
             Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => return,
         };
-        if let Some(out) = b.out.as_mut() {
-            if let Err(e) = out.flush() {
-                b.stop(e);
-            }
-        }
+        b.flush();
     }
 }
 
 impl Books {
+    /// The trace's number for `stream`: given in the order streams first appear.
+    fn stream_number(&mut self, stream: StreamId) -> u32 {
+        let next = self.streams.len() as u32;
+        *self.streams.entry(stream).or_insert(next)
+    }
+
+    /// Write the buffered lines to the file (a failure stops the recording).
+    fn flush(&mut self) {
+        if let Some(Err(e)) = self.out.as_mut().map(|out| out.flush()) {
+            self.stop(e);
+        }
+    }
+
     fn line(&mut self, line: std::fmt::Arguments<'_>) {
         let Some(out) = self.out.as_mut() else { return };
         match writeln!(out, "{line}") {

@@ -174,15 +174,16 @@ pub fn trim() -> Result<()> {
 /// the file here, or when the process exits normally (an `atexit` handler flushes every
 /// pool no thread is writing to at that moment).
 pub fn flush_traces() -> Result<u64> {
-    let mut total = Ok(0);
+    let (mut events, mut first) = (0, None);
     for e in entries() {
-        let r = e.pool.flush_trace();
-        total = match (total, r) {
-            (Ok(t), Ok(n)) => Ok(t + n),
-            (Err(first), _) | (Ok(_), Err(first)) => Err(first),
-        };
+        match e.pool.flush_trace() {
+            Ok(n) => events += n,
+            Err(err) => {
+                first.get_or_insert(err);
+            }
+        }
     }
-    total
+    first.map_or(Ok(events), Err)
 }
 
 /// Register, once, the `atexit` handler of [`flush_traces`].
