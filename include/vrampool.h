@@ -62,6 +62,11 @@ typedef enum vrampool_status {
   VRAMPOOL_ERROR_INTERNAL = 12,
 } vrampool_status;
 
+// An out-of-memory handler (`vrampool_set_oom_handler`): called with the bytes asked, the
+// device, and the `user_data` given with it; returns non-zero when it freed memory and the
+// allocation should be tried again, 0 to let it fail. It must not throw or `longjmp` out.
+typedef int (*vrampool_oom_handler)(size_t requested, int device, void *user_data);
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -105,6 +110,22 @@ int vrampool_record_stream(void *ptr, void *stream);
 // # Safety
 // `stream` is still a live stream of device `device`'s primary context.
 int vrampool_stream_destroyed(int device, void *stream);
+
+// Set device `device`'s out-of-memory handler, replacing any other; NULL removes it. When
+// an allocation on the device has tried every step of the pool's out-of-memory ladder and
+// still does not fit, the pool calls `handler(size, device, user_data)` on the allocating
+// thread before failing; the handler frees what the program can spare (it may call
+// `vrampool_free` and `vrampool_malloc`) and returns non-zero to have the allocation tried
+// again, at most 64 times. An allocation of the handler's own thread that runs out of
+// memory while it runs fails at once (no handler inside the handler). The statistics
+// count its calls (`oom_handler_calls`) and the allocations it saved (`oom_rescues`).
+// Graph pools' allocations do not call it. Returns 0, or a `vrampool_status` with the
+// error set.
+//
+// # Safety
+// `handler`, if not NULL, may be called with `user_data` from any thread that allocates on
+// the device, at any time until it is replaced, and must not unwind.
+int vrampool_set_oom_handler(int device, vrampool_oom_handler handler, void *user_data);
 
 // Open graph pool `(pool_a, pool_b)` on `device` for a capture about to begin (PyTorch's
 // `beginAllocateToPool`; the pair is its `MempoolId_t`), or join it if open: until

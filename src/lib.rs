@@ -101,7 +101,9 @@ pub use cudarc;
 pub use device::CudaDevice;
 pub use device::{Device, DeviceKind, Event, MemInfo, SimCosts, SimDevice, Stream, StreamId};
 pub use error::{Error, OutOfMemory, Result};
-pub use pool::{Block, BlockState, Extent, Leak, Pool, PoolConfig, Segment, Snapshot, StreamCache, ALIGN};
+pub use pool::{
+    Block, BlockState, Extent, Leak, Pool, PoolConfig, Segment, Snapshot, StreamCache, ALIGN, OOM_HANDLER_ROUNDS,
+};
 pub use stats::{Stats, LADDER_RUNGS};
 
 /// Internals exposed for the benches' baselines only; not part of the API.

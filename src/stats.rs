@@ -76,9 +76,15 @@ pub struct Stats {
     pub ladder_waits: u64,
     /// Allocations refused with out-of-memory.
     pub ooms: u64,
+    /// Times the out-of-memory handler was called ([`crate::Pool::set_out_of_memory_handler`]).
+    pub oom_handler_calls: u64,
+    /// Allocations that succeeded after the out-of-memory handler had been called for them:
+    /// what the memory it freed served.
+    pub oom_rescues: u64,
     /// Allocations placed below the caches, by the rung of the out-of-memory ladder that
     /// placed them: index 0 is rung 1 (ready memory on mapped pages, where most misses end),
-    /// index 8 rung 9 (a gap between large blocks, near the limit); rung 10 is `ooms`. The
+    /// index 8 rung 9 (a gap between large blocks, near the limit); rung 10 is the
+    /// out-of-memory handler (`oom_handler_calls`) and rung 11 `ooms`. The
     /// rungs, in order, are listed in `IMPLEMENTATION.md` and the docs of `src/pool/ladder.rs`.
     /// Where a pool's misses climb far (flushing caches, device waits, mapping past the
     /// peak) shows where its slow path's time goes.

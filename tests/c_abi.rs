@@ -14,11 +14,17 @@ fn target_dir() -> PathBuf {
     exe.parent().and_then(Path::parent).expect("target/<profile>/deps/<test>").to_path_buf()
 }
 
+/// The newer of `target/<profile>/libvrampool.so` (what `cargo build` leaves) and
+/// `deps/libvrampool.so` (what `cargo test` builds): after a change, the first is stale
+/// until the next `cargo build`.
 fn library() -> PathBuf {
     let dir = target_dir();
+    let modified = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
     let lib = [dir.join("libvrampool.so"), dir.join("deps/libvrampool.so")]
         .into_iter()
-        .find(|p| p.exists())
+        .filter_map(|p| modified(&p).map(|t| (t, p)))
+        .max_by_key(|(t, _)| *t)
+        .map(|(_, p)| p)
         .unwrap_or_else(|| panic!("no libvrampool.so in {}: cargo builds it with the lib target", dir.display()));
     lib.canonicalize().expect("the library's path")
 }

@@ -140,6 +140,73 @@ pub unsafe extern "C" fn vrampool_stream_destroyed(device: c_int, stream: *mut c
     })
 }
 
+/// An out-of-memory handler (`vrampool_set_oom_handler`): called with the bytes asked, the
+/// device, and the `user_data` given with it; returns non-zero when it freed memory and the
+/// allocation should be tried again, 0 to let it fail. It must not throw or `longjmp` out.
+#[allow(non_camel_case_types)]
+pub type vrampool_oom_handler =
+    Option<unsafe extern "C" fn(requested: size_t, device: c_int, user_data: *mut c_void) -> c_int>;
+
+/// Set device `device`'s out-of-memory handler, replacing any other; NULL removes it. When
+/// an allocation on the device has tried every step of the pool's out-of-memory ladder and
+/// still does not fit, the pool calls `handler(size, device, user_data)` on the allocating
+/// thread before failing; the handler frees what the program can spare (it may call
+/// `vrampool_free` and `vrampool_malloc`) and returns non-zero to have the allocation tried
+/// again, at most 64 times. An allocation of the handler's own thread that runs out of
+/// memory while it runs fails at once (no handler inside the handler). The statistics
+/// count its calls (`oom_handler_calls`) and the allocations it saved (`oom_rescues`).
+/// Graph pools' allocations do not call it. Returns 0, or a `vrampool_status` with the
+/// error set.
+///
+/// # Safety
+/// `handler`, if not NULL, may be called with `user_data` from any thread that allocates on
+/// the device, at any time until it is replaced, and must not unwind.
+#[no_mangle]
+pub unsafe extern "C" fn vrampool_set_oom_handler(
+    device: c_int,
+    handler: vrampool_oom_handler,
+    user_data: *mut c_void,
+) -> c_int {
+    guarded("vrampool_set_oom_handler", vrampool_status::VRAMPOOL_ERROR_INTERNAL as c_int, || {
+        let pool = usize::try_from(device)
+            .map_err(|_| Error::InvalidArgument(format!("device {device} is not an ordinal")))
+            .and_then(registry::pool);
+        let pool = match pool {
+            Ok(p) => p,
+            Err(e) => return AbiError::from_error("vrampool_set_oom_handler", Counter::FailedCalls, &e).report(),
+        };
+        let Some(handler) = handler else {
+            pool.clear_out_of_memory_handler();
+            return 0;
+        };
+        let user = UserData(user_data);
+        pool.set_out_of_memory_handler(move |oom| {
+            let requested = usize::try_from(oom.requested).unwrap_or(usize::MAX);
+            // SAFETY: the caller of `vrampool_set_oom_handler` promised a handler that may be
+            // called with this pointer from any allocating thread and does not unwind.
+            unsafe { handler(requested, device, user.get()) != 0 }
+        });
+        0
+    })
+}
+
+/// The `user_data` of an out-of-memory handler, carried to whichever thread runs it.
+struct UserData(*mut c_void);
+
+// SAFETY: vrampool never reads through the pointer; it hands it back to the handler, whose
+// setter promised that any allocating thread may (`vrampool_set_oom_handler`'s contract).
+unsafe impl Send for UserData {}
+// SAFETY: as for `Send`: shared only to be passed back, never dereferenced here.
+unsafe impl Sync for UserData {}
+
+impl UserData {
+    /// The pointer (a method, so that a closure captures the whole `UserData`, not its
+    /// field).
+    fn get(&self) -> *mut c_void {
+        self.0
+    }
+}
+
 /// Open graph pool `(pool_a, pool_b)` on `device` for a capture about to begin (PyTorch's
 /// `beginAllocateToPool`; the pair is its `MempoolId_t`), or join it if open: until
 /// `vrampool_end_allocate_to_pool`, `vrampool_malloc_to_pool` serves the capture from

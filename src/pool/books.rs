@@ -129,6 +129,8 @@ impl PoolInner {
             unmap_ns: Counters::get_ns(&c.unmap_ns),
             ladder_steals: Counters::get(&c.ladder_steals),
             ooms: Counters::get(&c.ooms),
+            oom_handler_calls: Counters::get(&self.on_oom.calls),
+            oom_rescues: Counters::get(&self.on_oom.rescues),
             ladder_rungs: std::array::from_fn(|i| Counters::get(&c.rungs[i])),
             mapped_bytes: Counters::get(&c.mapped),
             pages_lent: Counters::get(&c.pages_lent),

@@ -38,10 +38,14 @@
 //!    at the limit, what the request needs is what other threads free meanwhile.
 //! 9. **A gap for a small request**: near the limit, a small block that no chunk can hold
 //!    takes a run between large blocks, at whole 64 KiB granules (module `place`).
-//! 10. [`Error::OutOfMemory`], with the figures.
+//! 10. **The user's handler** ([`crate::Pool::set_out_of_memory_handler`], module
+//!     `on_oom`): given the figures, it frees what the server can spare and answers
+//!     whether to climb again from rung 1.
+//! 11. [`Error::OutOfMemory`], with the figures.
 //!
-//! Each placement is counted by the rung that made it (`Stats::ladder_rungs`; rung 10 is
-//! `Stats::ooms`): one relaxed add a miss, beside the counters a miss already bumps.
+//! Each placement is counted by the rung that made it (`Stats::ladder_rungs`; rung 11 is
+//! `Stats::ooms`, and a placement after the handler counts by the rung of the climb that
+//! made it): one relaxed add a miss, beside the counters a miss already bumps.
 
 use super::local;
 use super::place::{Mapping, Mode, Reuse};
@@ -58,8 +62,9 @@ impl PoolInner {
     /// What the last rungs may take: memory ready for the stream, mapping up to the limit.
     const ALLOWED: Mode = Mode { reuse: Reuse::Ready, mapping: Mapping::Allowed };
 
-    /// Place `size` bytes for `st`, climbing the ladder as far as it must; the time it
-    /// takes is counted in `Stats::ladder_ns`.
+    /// Place `size` bytes for `st`, climbing the ladder as far as it must, and again while
+    /// the out-of-memory handler (rung 10) says so; the time the climbs take is counted in
+    /// `Stats::ladder_ns` (the handler's own time is not).
     pub(crate) fn alloc_arena(
         &self,
         size: u64,
@@ -67,10 +72,31 @@ impl PoolInner {
         st: &StreamState,
         own: Option<&local::ThreadCache>,
     ) -> Result<u64> {
-        Counters::timed(&self.counters.ladder_ns, || self.climb(size, requested, st, own))
+        let mut round = 0;
+        loop {
+            let climbed = Counters::timed(&self.counters.ladder_ns, || self.climb(size, requested, st, own));
+            match climbed {
+                // 10.
+                Err(Error::OutOfMemory(oom)) if self.on_oom.retry(&oom, round) => {
+                    tracing::debug!(size, stream = st.stream.id(), round, "rung 10: the handler freed memory");
+                    round += 1;
+                }
+                // 11.
+                Err(e @ Error::OutOfMemory(_)) => {
+                    Counters::bump(&self.counters.ooms, 1);
+                    return Err(e);
+                }
+                Ok(addr) if round > 0 => {
+                    Counters::bump(&self.on_oom.rescues, 1);
+                    return Ok(addr);
+                }
+                other => return other,
+            }
+        }
     }
 
-    /// The ladder's rungs, in order.
+    /// The ladder's rungs, in order, up to rung 9; the error it ends with is rung 10's
+    /// question and rung 11's answer.
     fn climb(&self, size: u64, requested: usize, st: &StreamState, own: Option<&local::ThreadCache>) -> Result<u64> {
         let _span = tracing::debug_span!("ladder", size, stream = st.stream.id()).entered();
         let ready = Mode::READY;
@@ -145,9 +171,8 @@ impl PoolInner {
             tracing::debug!(size, stream = st.stream.id(), "rung 9: a small block in a gap of the extents");
             return Ok(self.placed_by(9, a));
         }
-        // 10.
-        tracing::debug!("rung 10: out of memory");
-        Counters::bump(&self.counters.ooms, 1);
+        // 10 and 11: the caller's (`alloc_arena`).
+        tracing::debug!("out of memory");
         let s = self.stats();
         Err(Error::OutOfMemory(Box::new(OutOfMemory {
             requested: requested as u64,

@@ -39,6 +39,7 @@ mod giveback;
 mod ladder;
 mod leaks;
 mod local;
+mod on_oom;
 mod place;
 mod record;
 mod sites;
@@ -55,6 +56,7 @@ pub use leaks::Leak;
 #[cfg(not(loom))]
 pub(crate) use local::try_alloc_hit;
 pub use local::StreamCache;
+pub use on_oom::OOM_HANDLER_ROUNDS;
 pub(crate) use place::KEEP_FREE_CHUNKS;
 pub use snapshot::{BlockState, Extent, Segment, Snapshot};
 
@@ -70,7 +72,7 @@ use crate::cache::budget::Budget;
 use crate::cache::thread::{mag_cap, CacheShared};
 use crate::class;
 use crate::device::{Device, Stream, StreamId};
-use crate::error::{Error, Result};
+use crate::error::{Error, OutOfMemory, Result};
 use crate::reclaim::Span;
 use crate::stats::{Counters, Stats};
 use crate::sync::atomic::{AtomicU64, Ordering};
@@ -157,6 +159,8 @@ pub(crate) struct PoolInner {
     sites: Option<sites::Sites>,
     /// The trace being written, when `config.record_trace`.
     recorder: Option<record::Recorder>,
+    /// The out-of-memory handler, if one is set, and its counts.
+    on_oom: on_oom::OnOom,
 }
 
 /// See [`PoolInner::hot`].
@@ -249,6 +253,7 @@ impl Pool {
             dormant: dormant::Dormant::default(),
             sites,
             recorder,
+            on_oom: on_oom::OnOom::default(),
         });
         let pool = Pool { _handle: Arc::new(LastHandle(Arc::clone(&inner))), inner };
         if preallocate > 0 {
@@ -328,6 +333,48 @@ impl Pool {
     /// live bytes up to three quarters of it, they mapped more.
     pub fn reserve(&self, bytes: u64) -> Result<()> {
         self.inner.reserve(bytes)
+    }
+
+    /// Set the out-of-memory handler, replacing any other: when an allocation has climbed
+    /// every rung of the ladder and still does not fit, the pool calls `handler` with the
+    /// figures it would fail with. The handler frees what the program can spare (a cache
+    /// of its own, requests it can pre-empt) and returns `true` to have the allocation
+    /// tried again from the start, `false` to let it fail with [`Error::OutOfMemory`].
+    ///
+    /// - It runs on the allocating thread, with nothing of the pool held: it may free
+    ///   blocks and allocate, from this pool or another.
+    /// - It is not called from inside itself: an allocation of the handler's own thread
+    ///   that runs out of memory while the handler runs fails at once.
+    /// - At most [`OOM_HANDLER_ROUNDS`] calls for one allocation; a handler that panics counts
+    ///   as `false` (the panic does not reach the caller).
+    ///
+    /// `Stats::oom_handler_calls` and `Stats::oom_rescues` count what it did. Only
+    /// allocations that run out of memory call it: nothing on the hit path reads it.
+    ///
+    /// ```
+    /// # use std::sync::{Arc, Mutex};
+    /// # use vrampool::{Pool, PoolConfig, SimDevice};
+    /// let dev = SimDevice::new(64 << 20);
+    /// let pool = Pool::new(dev.clone(), PoolConfig { max_reserved: Some(32 << 20), ..PoolConfig::default() })?;
+    /// let s = dev.new_stream()?;
+    /// // Blocks the program keeps only while memory lasts.
+    /// let spare = Arc::new(Mutex::new(vec![pool.alloc(24 << 20, &s)?]));
+    /// let evict = Arc::clone(&spare);
+    /// pool.set_out_of_memory_handler(move |_oom| evict.lock().map(|mut v| v.pop().is_some()).unwrap_or(false));
+    /// let b = pool.alloc(24 << 20, &s)?; // would not fit beside the spare block
+    /// assert!(spare.lock().unwrap().is_empty());
+    /// assert_eq!(pool.stats().oom_rescues, 1);
+    /// # drop(b);
+    /// # Ok::<(), vrampool::Error>(())
+    /// ```
+    pub fn set_out_of_memory_handler(&self, handler: impl Fn(&OutOfMemory) -> bool + Send + Sync + 'static) {
+        self.inner.on_oom.set(Some(Box::new(handler)));
+    }
+
+    /// Remove the out-of-memory handler: allocations that run out of memory fail at once
+    /// again. A call of the old handler under way finishes.
+    pub fn clear_out_of_memory_handler(&self) {
+        self.inner.on_oom.set(None);
     }
 
     /// Write the lines of [`PoolConfig::record_trace`] buffered so far to its file: the

@@ -1,5 +1,6 @@
 /* The C ABI from C, on the simulator: every entry point, every bad input, threads with
- * their own streams freeing each other's blocks, record_stream, and the statistics JSON.
+ * their own streams freeing each other's blocks, record_stream, the statistics JSON and the
+ * out-of-memory handler.
  *
  * Built and run by tests/c_abi.rs (cc -std=c11 -Wall -Wextra -Werror -pthread against
  * include/vrampool.h and libvrampool.so) with VRAMPOOL_DEVICE=sim. Exits 0 when every check
@@ -407,6 +408,49 @@ static int trace(void) {
     return 0;
 }
 
+/* The out-of-memory handler: it frees a block the program kept as spare and the allocation
+ * that ran out is tried again; with nothing left to free it declines and the allocation
+ * fails; removed, it is not called. The pool's limit is 80% of the simulated 2 GiB, so two
+ * blocks of 1 GiB never fit at once. */
+static void *oom_spare = NULL;
+static int oom_calls = 0;
+
+static int free_the_spare(size_t requested, int device, void *user) {
+    oom_calls++;
+    CHECK(requested == (size_t)1 << 30 && device == 0 && user == &oom_calls);
+    if (oom_spare == NULL) {
+        return 0;
+    }
+    vrampool_free(oom_spare, (ssize_t)1 << 30, 0, NULL);
+    oom_spare = NULL;
+    return 1;
+}
+
+static void oom_handler(void) {
+    const ssize_t gib = (ssize_t)1 << 30;
+    long long calls0 = stat(0, "oom_handler_calls");
+    long long rescues0 = stat(0, "oom_rescues");
+    oom_spare = vrampool_malloc(gib, 0, NULL);
+    CHECK(oom_spare != NULL);
+    CHECK(vrampool_set_oom_handler(0, free_the_spare, &oom_calls) == 0);
+    void *p = vrampool_malloc(gib, 0, NULL);
+    CHECK(p != NULL && oom_spare == NULL && oom_calls == 1);
+    CHECK_NO_ERROR();
+    CHECK(vrampool_malloc(gib, 0, NULL) == NULL);
+    CHECK_ERROR(VRAMPOOL_ERROR_OUT_OF_MEMORY);
+    CHECK(oom_calls == 2); /* asked once more, declined */
+    CHECK(stat(0, "oom_handler_calls") == calls0 + 2);
+    CHECK(stat(0, "oom_rescues") == rescues0 + 1);
+    CHECK(vrampool_set_oom_handler(0, NULL, NULL) == 0);
+    CHECK(vrampool_malloc(gib, 0, NULL) == NULL);
+    CHECK_ERROR(VRAMPOOL_ERROR_OUT_OF_MEMORY);
+    CHECK(oom_calls == 2); /* removed: not asked */
+    CHECK(vrampool_set_oom_handler(-1, free_the_spare, NULL) == VRAMPOOL_ERROR_INVALID_ARGUMENT);
+    CHECK_ERROR(VRAMPOOL_ERROR_INVALID_ARGUMENT);
+    vrampool_free(p, gib, 0, NULL);
+    CHECK_NO_ERROR();
+}
+
 int main(int argc, char **argv) {
     if (argc > 1 && strcmp(argv[1], "bad-config") == 0) {
         return bad_config();
@@ -424,6 +468,7 @@ int main(int argc, char **argv) {
     many_short_lived_streams();
     threads();
     graph_pool();
+    oom_handler();
     CHECK(vrampool_flush_traces() == 0); /* nothing records: nothing to do */
     CHECK(stat(0, "allocated_bytes") == 0);
     CHECK(vrampool_empty_cache() == 0);

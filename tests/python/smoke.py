@@ -34,8 +34,11 @@ lib.vrampool_last_error_code.argtypes = []
 lib.vrampool_last_error_code.restype = ctypes.c_int
 lib.vrampool_version.restype = ctypes.c_char_p
 lib.vrampool_abi_version.restype = ctypes.c_uint32
+OOM_HANDLER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_size_t, ctypes.c_int, vp)
+lib.vrampool_set_oom_handler.argtypes = [ctypes.c_int, OOM_HANDLER, vp]
+lib.vrampool_set_oom_handler.restype = ctypes.c_int
 
-INVALID_ARGUMENT, INVALID_FREE, DOUBLE_FREE = 1, 2, 3
+INVALID_ARGUMENT, INVALID_FREE, DOUBLE_FREE, OUT_OF_MEMORY = 1, 2, 3, 4
 
 
 def stats(device=0):
@@ -55,6 +58,34 @@ def expect_error(code):
 
 def stream(i):
     return vp(0x2000 + i)
+
+
+def out_of_memory_handler():
+    """A Python callback frees a block kept as spare when the pool runs out (the limit is 80%
+    of the simulated 2 GiB: two blocks of 1 GiB never fit at once)."""
+    gib = 1 << 30
+    spare = [lib.vrampool_malloc(gib, 0, None)]
+    assert spare[0] is not None, lib.vrampool_last_error()
+    asked = []
+
+    @OOM_HANDLER
+    def free_spare(requested, device, _user):
+        asked.append((requested, device))
+        if not spare:
+            return 0
+        lib.vrampool_free(spare.pop(), gib, 0, None)
+        return 1
+
+    calls0 = stats()["oom_handler_calls"]
+    assert lib.vrampool_set_oom_handler(0, free_spare, None) == 0
+    p = lib.vrampool_malloc(gib, 0, None)
+    assert p is not None and not spare and asked == [(gib, 0)], (p, spare, asked)
+    assert lib.vrampool_malloc(gib, 0, None) is None
+    expect_error(OUT_OF_MEMORY)
+    assert len(asked) == 2 and stats()["oom_handler_calls"] == calls0 + 2
+    assert lib.vrampool_set_oom_handler(0, OOM_HANDLER(), None) == 0  # NULL: removed
+    lib.vrampool_free(p, gib, 0, None)
+    assert lib.vrampool_last_error() is None
 
 
 def main():
@@ -115,6 +146,8 @@ def main():
         t.start()
     for t in threads:
         t.join()
+
+    out_of_memory_handler()
 
     s = stats()
     assert s["allocated_bytes"] == 0, s

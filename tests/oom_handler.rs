@@ -1,0 +1,138 @@
+//! The out-of-memory handler (`Pool::set_out_of_memory_handler`): the program's word before
+//! an allocation fails, on the simulated device.
+//!
+//! Every pool here has a limit of 32 MiB on a 64 MiB device and keeps "spare" blocks, memory
+//! the program holds only while memory lasts, which the handlers give up.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use vrampool::{Block, Error, Pool, PoolConfig, SimDevice, Stream, OOM_HANDLER_ROUNDS};
+
+const MIB: usize = 1 << 20;
+
+fn pool() -> (SimDevice, Pool, Stream) {
+    let dev = SimDevice::new(64 << 20);
+    let pool = Pool::new(dev.clone(), PoolConfig { max_reserved: Some(32 << 20), ..PoolConfig::default() }).unwrap();
+    let s = dev.new_stream().unwrap();
+    (dev, pool, s)
+}
+
+/// Blocks of `bytes` each, `n` of them, held where a handler can take them.
+fn spares(pool: &Pool, s: &Stream, n: usize, bytes: usize) -> Arc<Mutex<Vec<Block>>> {
+    Arc::new(Mutex::new((0..n).map(|_| pool.alloc(bytes, s).unwrap()).collect()))
+}
+
+fn out_of_memory(r: Result<Block, Error>) -> bool {
+    matches!(r, Err(Error::OutOfMemory(_)))
+}
+
+#[test]
+fn a_handler_that_frees_a_spare_block_saves_the_allocation() {
+    let (_dev, pool, s) = pool();
+    let spare = spares(&pool, &s, 1, 24 * MIB);
+    let asked = Arc::new(AtomicU64::new(0));
+    let (evict, seen) = (Arc::clone(&spare), Arc::clone(&asked));
+    pool.set_out_of_memory_handler(move |oom| {
+        seen.store(oom.requested, Ordering::Relaxed);
+        evict.lock().unwrap().pop().is_some()
+    });
+    let b = pool.alloc(24 * MIB, &s).expect("the handler made room");
+    assert_eq!(asked.load(Ordering::Relaxed), 24 * MIB as u64, "the handler saw the request's figures");
+    assert!(spare.lock().unwrap().is_empty());
+    let st = pool.stats();
+    assert_eq!((st.oom_handler_calls, st.oom_rescues, st.ooms), (1, 1, 0));
+    drop(b);
+    pool.check().unwrap();
+}
+
+#[test]
+fn a_handler_that_declines_and_no_handler_fail_as_before() {
+    let (_dev, pool, s) = pool();
+    let spare = spares(&pool, &s, 1, 24 * MIB);
+    pool.set_out_of_memory_handler(|_| false);
+    assert!(out_of_memory(pool.alloc(24 * MIB, &s)));
+    assert_eq!((pool.stats().oom_handler_calls, pool.stats().ooms), (1, 1));
+    pool.clear_out_of_memory_handler();
+    assert!(out_of_memory(pool.alloc(24 * MIB, &s)));
+    let st = pool.stats();
+    assert_eq!((st.oom_handler_calls, st.oom_rescues, st.ooms), (1, 0, 2), "a removed handler is not asked");
+    assert_eq!(spare.lock().unwrap().len(), 1, "nothing the program held was touched");
+    pool.check().unwrap();
+}
+
+#[test]
+fn a_handler_that_frees_nothing_is_asked_a_bounded_number_of_times() {
+    let (_dev, pool, s) = pool();
+    let _spare = spares(&pool, &s, 1, 24 * MIB);
+    pool.set_out_of_memory_handler(|_| true);
+    assert!(out_of_memory(pool.alloc(24 * MIB, &s)));
+    let st = pool.stats();
+    assert_eq!((st.oom_handler_calls, st.oom_rescues, st.ooms), (OOM_HANDLER_ROUNDS, 0, 1));
+}
+
+#[test]
+fn a_handler_is_never_called_from_inside_itself() {
+    let (_dev, pool, s) = pool();
+    let _spare = spares(&pool, &s, 1, 24 * MIB);
+    let pool = Arc::new(pool);
+    let inner = Arc::new(Mutex::new(None));
+    let (p, s2, got) = (Arc::downgrade(&pool), s.clone(), Arc::clone(&inner));
+    pool.set_out_of_memory_handler(move |_| {
+        // An allocation of the handler's own that cannot fit either: it fails at once.
+        if let Some(p) = p.upgrade() {
+            *got.lock().unwrap() = Some(out_of_memory(p.alloc(24 * MIB, &s2)));
+        }
+        false
+    });
+    assert!(out_of_memory(pool.alloc(24 * MIB, &s)));
+    assert_eq!(*inner.lock().unwrap(), Some(true), "the handler's own allocation failed with out-of-memory");
+    let st = pool.stats();
+    assert_eq!((st.oom_handler_calls, st.ooms), (1, 2), "asked once; both allocations failed");
+    pool.clear_out_of_memory_handler();
+    pool.check().unwrap();
+}
+
+#[test]
+fn a_handler_that_panics_fails_the_allocation_and_leaves_the_pool_whole() {
+    let (_dev, pool, s) = pool();
+    let spare = spares(&pool, &s, 1, 24 * MIB);
+    pool.set_out_of_memory_handler(|_| panic!("a handler's bug"));
+    assert!(out_of_memory(pool.alloc(24 * MIB, &s)), "the panic does not reach the caller");
+    pool.check().unwrap();
+    spare.lock().unwrap().clear();
+    let b = pool.alloc(24 * MIB, &s).expect("the pool still serves");
+    assert_eq!(pool.stats().oom_handler_calls, 1);
+    drop(b);
+    pool.check().unwrap();
+}
+
+#[test]
+fn threads_that_run_out_at_once_are_each_served_by_the_spares_the_handler_frees() {
+    let (dev, pool, s) = pool();
+    // Four spares of 7 MiB fill 28 of the 32 MiB: no thread's 7 MiB fits beside them.
+    let spare = spares(&pool, &s, 4, 7 * MIB);
+    let evict = Arc::clone(&spare);
+    pool.set_out_of_memory_handler(move |_| evict.lock().unwrap().pop().is_some());
+    let got: Vec<bool> = std::thread::scope(|sc| {
+        let workers: Vec<_> = (0..4)
+            .map(|_| {
+                let (pool, own) = (&pool, dev.new_stream().unwrap());
+                sc.spawn(move || {
+                    let b = pool.alloc(7 * MIB, &own);
+                    let ok = b.is_ok();
+                    // Held until every thread has its block: the spares are what serve them.
+                    (ok, b)
+                })
+            })
+            .collect();
+        let results: Vec<_> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+        results.into_iter().map(|(ok, _b)| ok).collect()
+    });
+    assert_eq!(got, vec![true; 4], "every thread was served");
+    let st = pool.stats();
+    assert_eq!(st.ooms, 0);
+    assert!(st.oom_rescues >= 1 && st.oom_rescues <= st.oom_handler_calls);
+    pool.clear_out_of_memory_handler();
+    pool.check().unwrap();
+}
