@@ -584,3 +584,45 @@ fn gpu_stress_through_caches_16_threads_6_streams() {
     drop(streams);
     drop(kernels);
 }
+
+/// The out-of-memory handler on a GPU: a spare block, still being read on a busy stream A,
+/// is what the handler frees; the allocation it rescues, on stream B, gets that memory and
+/// is written at once. The pool must order B's writes after A's reads (a device wait, or a
+/// host wait at the last rung): the checks on A see the spare's pattern intact.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn an_out_of_memory_handler_frees_memory_still_in_use_on_another_stream() {
+    const MIB: usize = 1 << 20;
+    let dev = device();
+    let kernels = Kernels::load(&dev);
+    let pool = Pool::new(dev.clone(), PoolConfig { max_reserved: Some(64 << 20), ..PoolConfig::default() }).unwrap();
+    let (a, b) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let bad = pool.alloc(4, &a).unwrap();
+    bad.record_stream(&b);
+    dev.memset(bad.device_ptr(), 0, 4, &a).unwrap();
+    let spare = pool.alloc(48 * MIB, &a).unwrap();
+    let (sp, words) = (spare.device_ptr(), 48 * MIB / 4);
+    kernels.fill(&a, sp, words, 7);
+    // A stays busy, then reads the spare: the read runs long after the handler freed it.
+    dev.spin(&a, 20_000).unwrap();
+    kernels.check(&a, sp, words, 7, bad.device_ptr());
+    let spare = std::sync::Mutex::new(Some(spare));
+    let spare = std::sync::Arc::new(spare);
+    let evict = std::sync::Arc::clone(&spare);
+    pool.set_out_of_memory_handler(move |_| evict.lock().unwrap().take().is_some());
+    let rescued = pool.alloc(48 * MIB, &b).expect("the handler freed the spare");
+    kernels.fill(&b, rescued.device_ptr(), words, 9);
+    kernels.check(&b, rescued.device_ptr(), words, 9, bad.device_ptr());
+    dev.synchronize(&a).unwrap();
+    dev.synchronize(&b).unwrap();
+    let st = pool.stats();
+    println!(
+        "oom handler: calls {}, rescues {}, device waits {}, host waits {}",
+        st.oom_handler_calls, st.oom_rescues, st.device_waits, st.ladder_waits
+    );
+    assert_eq!((st.oom_handler_calls, st.oom_rescues), (1, 1));
+    assert_eq!(read_words::<1>(&dev, bad.device_ptr(), &a)[0], 0, "A's reads saw the spare overwritten");
+    pool.clear_out_of_memory_handler();
+    drop((rescued, bad));
+    trim_to_empty(&pool);
+}
