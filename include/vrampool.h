@@ -127,6 +127,16 @@ int vrampool_stream_destroyed(int device, void *stream);
 // the device, at any time until it is replaced, and must not unwind.
 int vrampool_set_oom_handler(int device, vrampool_oom_handler handler, void *user_data);
 
+// Limit device `device`'s pool to `fraction` of the device's memory (PyTorch's
+// `set_per_process_memory_fraction`, the pluggable allocator's memory-fraction hook):
+// allocations that would map past it run out of memory, memory mapped above it stays until
+// freed and trimmed. The limit is whole pages, rounded down. `fraction` is in (0, 1], and
+// at most the pool's ceiling, the limit it
+// was made with (`VRAMPOOL_MAX_RESERVED`, default 80% of the device). Returns 0, or a
+// `vrampool_status` with the error set (`VRAMPOOL_ERROR_INVALID_ARGUMENT` for a fraction out
+// of range).
+int vrampool_set_memory_fraction(int device, double fraction);
+
 // Open graph pool `(pool_a, pool_b)` on `device` for a capture about to begin (PyTorch's
 // `beginAllocateToPool`; the pair is its `MempoolId_t`), or join it if open: until
 // `vrampool_end_allocate_to_pool`, `vrampool_malloc_to_pool` serves the capture from

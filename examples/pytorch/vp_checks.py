@@ -235,6 +235,30 @@ def out_of_memory(backend) -> dict:
     return {"cases": cases, "usable_after": usable, "ok": usable and all(c["ok"] for c in cases)}
 
 
+def memory_fraction(backend) -> dict:
+    """torch.cuda.set_per_process_memory_fraction must bind the allocator: at a tenth of the
+    device, a request for a fifth raises torch.OutOfMemoryError; back at the default, the same
+    request is served. Under vrampool the fraction reaches vrampool_set_memory_fraction
+    through the pluggable allocator's hook (the C++ wrapper installs it); the default
+    fraction is PyTorch's 1.0 and vrampool's 0.8 (its pool's ceiling)."""
+    if backend.name == "vrampool" and backend.hooks != "cpp":
+        return {"skipped": "the memory-fraction hook is installed by the C++ wrapper", "ok": True}
+    torch.cuda.empty_cache()
+    _, total = torch.cuda.mem_get_info()
+    default = 0.8 if backend.name == "vrampool" else 1.0
+    size = total // 5
+    r = {}
+    try:
+        torch.cuda.set_per_process_memory_fraction(0.1)
+        r["at_a_tenth"] = _try_alloc(size)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(default)
+    r["at_default"] = _try_alloc(size)
+    torch.cuda.empty_cache()
+    r["ok"] = r["at_a_tenth"]["raised"] == "torch.OutOfMemoryError" and r["at_default"]["raised"] is None
+    return r
+
+
 def oom_probe() -> dict:
     """Run in a child with the public wrapper only: what a NULL from the alloc function
     becomes (the tensor is never touched)."""

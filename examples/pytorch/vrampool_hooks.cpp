@@ -19,7 +19,9 @@
 //    vrampool_empty_cache). A failed empty_cache throws, so Python sees it; a
 //    record_stream of a pointer vrampool does not own is skipped as PyTorch's own
 //    allocator skips storages it did not allocate (counted here, and by vrampool as
-//    abi_failed_record_streams, which run.py fails on); any other failure throws.
+//    abi_failed_record_streams, which run.py fails on); any other failure throws. And
+//    set_memory_fraction_fn (torch.cuda.set_per_process_memory_fraction ->
+//    vrampool_set_memory_fraction), which throws when the fraction is refused.
 // 2b. CUDA graphs: set_begin_allocate_to_pool / set_end_allocate_to_pool_fn /
 //    set_release_pool. PyTorch opens a private pool before every capture
 //    (CUDAGraph::capture_begin, make_graphed_callables, torch.cuda.MemPool) with a filter
@@ -80,6 +82,7 @@ using LastErrorFn = const char* (*)();
 using LastErrorCodeFn = int (*)();
 using MallocToPoolFn = void* (*)(ssize_t, int, void*, uint64_t, uint64_t);
 using PoolFn = int (*)(int, uint64_t, uint64_t);
+using MemoryFractionFn = int (*)(int, double);
 
 // vrampool_status values (include/vrampool.h) this file tells apart.
 constexpr int kInvalidFree = 2;
@@ -103,6 +106,8 @@ struct Library {
   PoolFn begin_pool = nullptr;
   PoolFn end_pool = nullptr;
   PoolFn release_pool = nullptr;
+  // vrampool_set_memory_fraction; optional (an older library has none).
+  MemoryFractionFn memory_fraction = nullptr;
 };
 Library lib;
 
@@ -410,6 +415,7 @@ void bind(const std::string& path) {
   if (!lib.malloc_to_pool || !lib.begin_pool || !lib.end_pool || !lib.release_pool) {
     lib.malloc_to_pool = nullptr;  // an older library: no graph pools
   }
+  lib.memory_fraction = reinterpret_cast<MemoryFractionFn>(dlsym(h, "vrampool_set_memory_fraction"));
   lib.malloc = symbol<MallocFn>(h, "vrampool_malloc");
   lib.handle = h;
 }
@@ -453,6 +459,16 @@ void empty_cache_hook() {
   }
 }
 
+// torch.cuda.set_per_process_memory_fraction(fraction, device): vrampool's limit for the
+// device becomes that fraction of its memory. A refused fraction (above the pool's ceiling,
+// VRAMPOOL_MAX_RESERVED) throws, so Python sees it.
+void memory_fraction_hook(double fraction, int device) {
+  if (lib.memory_fraction(device, fraction) != 0) {
+    std::string why = last_error_or("no message");
+    throw_error(false, "vrampool_set_memory_fraction failed: " + why);
+  }
+}
+
 // Install (true) or remove (false) each hook; an empty std::function is PyTorch's "unset"
 // (recordStream and emptyCache test it before calling). Call with no other thread inside
 // the allocator: the std::function is not guarded.
@@ -470,6 +486,10 @@ std::string set_hooks(bool record_stream, bool empty_cache, bool graph_pools) {
                     : std::function<void(void*, cudaStream_t)>());
   a.set_reset_fn(
       empty_cache ? std::function<void()>(empty_cache_hook) : std::function<void()>());
+  // Always on where the library has it: without it PyTorch ignores the fraction silently.
+  a.set_memory_fraction_fn(
+      lib.memory_fraction ? std::function<void(double, int)>(memory_fraction_hook)
+                          : std::function<void(double, int)>());
   return a.name();
 }
 

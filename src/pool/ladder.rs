@@ -181,7 +181,7 @@ impl PoolInner {
             cached: s.cached_bytes,
             retiring: s.retiring_bytes,
             largest_free: s.largest_free_mapped,
-            max_reserved: self.max_reserved,
+            max_reserved: self.max_reserved(),
         })))
     }
 

@@ -114,7 +114,11 @@ impl Drop for LastHandle {
 pub(crate) struct PoolInner {
     device: Arc<dyn Device>,
     pub(crate) config: PoolConfig,
-    max_reserved: u64,
+    /// `max_reserved` as made: what the address range and each stream's arena are sized
+    /// for, the most [`Pool::set_max_reserved`] may set.
+    ceiling: u64,
+    /// The mapping limit now (`Pool::set_max_reserved`), at most `ceiling`.
+    limit: AtomicU64,
     /// The range reserved from the device (the space may start a little above `base`, at a
     /// chunk boundary).
     base: u64,
@@ -231,7 +235,8 @@ impl Pool {
         let inner = Arc::new(PoolInner {
             device,
             config,
-            max_reserved,
+            ceiling: max_reserved,
+            limit: AtomicU64::new(max_reserved),
             base,
             range,
             hot: CachePadded::new(Hot { classes, caps }),
@@ -267,9 +272,29 @@ impl Pool {
         &self.inner.device
     }
 
-    /// The most physical memory the pool may map.
+    /// The most physical memory the pool may map now.
     pub fn max_reserved(&self) -> u64 {
-        self.inner.max_reserved
+        self.inner.max_reserved()
+    }
+
+    /// Change the most physical memory the pool may map (as PyTorch's
+    /// `set_per_process_memory_fraction`), up to the `max_reserved` it was made with, which
+    /// sized its address range; more is [`Error::InvalidArgument`]. Placements that begin
+    /// after the call obey it: past it, allocations climb the ladder (which unmaps free
+    /// pages to make room) and fail with [`Error::OutOfMemory`] as at any limit. Memory
+    /// mapped above a lowered limit stays until its blocks are freed and [`Pool::trim`] or
+    /// the ladder unmaps it; the floor of [`Pool::reserve`] stays mapped whatever the limit.
+    /// A request above the limit made at creation is still [`Error::TooLarge`], one above
+    /// the limit now is out of memory: raising the limit again can serve it.
+    pub fn set_max_reserved(&self, bytes: u64) -> Result<()> {
+        if bytes > self.inner.ceiling {
+            return Err(Error::InvalidArgument(format!(
+                "max_reserved {bytes} is above the {} bytes this pool was made for",
+                self.inner.ceiling
+            )));
+        }
+        self.inner.limit.store(bytes, Ordering::Relaxed);
+        Ok(())
     }
 
     /// The device address range the pool reserved, as (base, bytes): every block the pool
@@ -419,7 +444,7 @@ impl fmt::Debug for Pool {
             .field("device", &self.inner.device.name())
             .field("base", &format_args!("{:#x}", self.inner.base))
             .field("range", &self.inner.range)
-            .field("max_reserved", &self.inner.max_reserved)
+            .field("max_reserved", &self.inner.max_reserved())
             .finish()
     }
 }
@@ -437,7 +462,7 @@ impl PoolInner {
         if bytes == 0 {
             return Ok(Placed::EMPTY);
         }
-        let limit = self.max_reserved.min(self.space.len() / 2);
+        let limit = self.ceiling.min(self.space.len() / 2);
         let size = self.space.size_for(bytes as u64).filter(|&s| s <= limit);
         let Some(size) = size else { return Err(Error::TooLarge { requested: bytes as u64, limit }) };
         self.refuse_capture(st)?;
@@ -480,7 +505,7 @@ impl PoolInner {
         st: &Arc<StreamState>,
         own: Option<&local::ThreadCache>,
     ) -> Result<Placed> {
-        let limit = self.max_reserved.min(self.space.len() / 2);
+        let limit = self.ceiling.min(self.space.len() / 2);
         if size > limit {
             return Err(Error::TooLarge { requested: bytes as u64, limit });
         }
@@ -591,10 +616,17 @@ impl PoolInner {
         self.space.len() - self.space.free_bytes()
     }
 
+    /// The mapping limit now ([`Pool::set_max_reserved`]). Read where a placement decides
+    /// how far it may map: a change applies to the placements that begin after it.
+    pub(crate) fn max_reserved(&self) -> u64 {
+        self.limit.load(Ordering::Relaxed)
+    }
+
     /// Whether the pool has mapped more than seven eighths of what it may: pages a placement
     /// needs beyond those it finds mapped may be pages it cannot have (module `place`).
     pub(crate) fn near_limit(&self) -> bool {
-        self.pages.mapped_bytes() > self.max_reserved - self.max_reserved / 8
+        let limit = self.max_reserved();
+        self.pages.mapped_bytes() > limit - limit / 8
     }
 
     /// Whether memory is short: the pool is [near its limit](PoolInner::near_limit) and more
@@ -626,7 +658,7 @@ impl PoolInner {
         }
         let held = self.space_held();
         let pinned = pinned.min(held);
-        held - pinned > self.max_reserved.saturating_sub(pinned) / 2
+        held - pinned > self.max_reserved().saturating_sub(pinned) / 2
     }
 
     /// Every cached class.
@@ -666,12 +698,12 @@ impl PoolInner {
                         cached: 0,
                         retiring: 0,
                         largest_free: self.free_mapped().0,
-                        max_reserved: self.max_reserved,
+                        max_reserved: self.max_reserved(),
                     })));
                 };
                 taken.push((addr, chunk));
                 let before = self.pages.mapped_bytes();
-                let mut map = |p: u64, len: usize| self.map_pages(p, len, self.max_reserved).map(|()| Backing::Fresh);
+                let mut map = |p: u64, len: usize| self.map_pages(p, len, self.max_reserved()).map(|()| Backing::Fresh);
                 if let Err(why) = self.pages.acquire(addr, chunk, true, &mut map) {
                     taken.pop();
                     self.space.give_back(addr, chunk);

@@ -380,8 +380,8 @@ impl PoolInner {
         };
         let limit = match mode.mapping {
             Mapping::Forbidden => 0,
-            Mapping::WithinPeak => self.max_reserved.min(self.pages.peak_mapped_bytes()),
-            Mapping::Allowed => self.max_reserved,
+            Mapping::WithinPeak => self.max_reserved().min(self.pages.peak_mapped_bytes()),
+            Mapping::Allowed => self.max_reserved(),
         };
         let lend = mode.mapping == Mapping::Allowed && self.config.trade_pages_on_map && self.device.can_alias();
         let mut tries = 0;
@@ -633,7 +633,7 @@ impl PoolInner {
                 cached: 0,
                 retiring: 0,
                 largest_free: 0,
-                max_reserved: self.max_reserved,
+                max_reserved: self.max_reserved(),
             })));
         }
         let r = Counters::timed(&self.counters.map_ns, || self.device.map(page, len));

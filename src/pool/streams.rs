@@ -167,7 +167,7 @@ impl PoolInner {
                 crate::arena::space::MAX_SLOTS
             )));
         }
-        let max_chunks = self.max_reserved.div_ceil(CHUNK) as usize + 1;
+        let max_chunks = self.ceiling.div_ceil(CHUNK) as usize + 1;
         Ok(StreamState {
             stream: stream.clone(),
             slot,

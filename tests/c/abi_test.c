@@ -1,6 +1,6 @@
 /* The C ABI from C, on the simulator: every entry point, every bad input, threads with
- * their own streams freeing each other's blocks, record_stream, the statistics JSON and the
- * out-of-memory handler.
+ * their own streams freeing each other's blocks, record_stream, the statistics JSON, the
+ * out-of-memory handler and the memory fraction.
  *
  * Built and run by tests/c_abi.rs (cc -std=c11 -Wall -Wextra -Werror -pthread against
  * include/vrampool.h and libvrampool.so) with VRAMPOOL_DEVICE=sim. Exits 0 when every check
@@ -451,6 +451,30 @@ static void oom_handler(void) {
     CHECK_NO_ERROR();
 }
 
+/* The memory fraction (PyTorch's set_per_process_memory_fraction): at a quarter of the
+ * simulated 2 GiB, 1 GiB does not fit; at the pool's own 80% again it does; out of (0, 1]
+ * or above those 80% is refused. */
+static void memory_fraction(void) {
+    const ssize_t gib = (ssize_t)1 << 30;
+    CHECK(vrampool_empty_cache() == 0);
+    CHECK(vrampool_set_memory_fraction(0, 0.25) == 0);
+    CHECK(vrampool_malloc(gib, 0, NULL) == NULL);
+    CHECK_ERROR(VRAMPOOL_ERROR_OUT_OF_MEMORY);
+    CHECK(vrampool_set_memory_fraction(0, 0.8) == 0);
+    void *p = vrampool_malloc(gib, 0, NULL);
+    CHECK(p != NULL);
+    CHECK_NO_ERROR();
+    vrampool_free(p, gib, 0, NULL);
+    CHECK(vrampool_set_memory_fraction(0, 0.0) == VRAMPOOL_ERROR_INVALID_ARGUMENT);
+    CHECK_ERROR(VRAMPOOL_ERROR_INVALID_ARGUMENT);
+    CHECK(vrampool_set_memory_fraction(0, 1.5) == VRAMPOOL_ERROR_INVALID_ARGUMENT);
+    CHECK_ERROR(VRAMPOOL_ERROR_INVALID_ARGUMENT);
+    CHECK(vrampool_set_memory_fraction(0, 0.9) == VRAMPOOL_ERROR_INVALID_ARGUMENT); /* above 80% */
+    CHECK_ERROR(VRAMPOOL_ERROR_INVALID_ARGUMENT);
+    CHECK(vrampool_set_memory_fraction(-1, 0.5) == VRAMPOOL_ERROR_INVALID_ARGUMENT);
+    CHECK_ERROR(VRAMPOOL_ERROR_INVALID_ARGUMENT);
+}
+
 int main(int argc, char **argv) {
     if (argc > 1 && strcmp(argv[1], "bad-config") == 0) {
         return bad_config();
@@ -469,6 +493,7 @@ int main(int argc, char **argv) {
     threads();
     graph_pool();
     oom_handler();
+    memory_fraction();
     CHECK(vrampool_flush_traces() == 0); /* nothing records: nothing to do */
     CHECK(stat(0, "allocated_bytes") == 0);
     CHECK(vrampool_empty_cache() == 0);

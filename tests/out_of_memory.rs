@@ -1,8 +1,10 @@
-//! The out-of-memory handler (`Pool::set_out_of_memory_handler`): the program's word before
-//! an allocation fails, on the simulated device.
+//! What a program says about running out of memory, on the simulated device: its
+//! out-of-memory handler (`Pool::set_out_of_memory_handler`), its word before an allocation
+//! fails, and the pool's limit changed at run time (`Pool::set_max_reserved`).
 //!
-//! Every pool here has a limit of 32 MiB on a 64 MiB device and keeps "spare" blocks, memory
-//! the program holds only while memory lasts, which the handlers give up.
+//! Every pool here has a limit of 32 MiB on a 64 MiB device; the handlers' tests keep
+//! "spare" blocks, memory the program holds only while memory lasts, which the handlers give
+//! up.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -135,4 +137,52 @@ fn threads_that_run_out_at_once_are_each_served_by_the_spares_the_handler_frees(
     assert!(st.oom_rescues >= 1 && st.oom_rescues <= st.oom_handler_calls);
     pool.clear_out_of_memory_handler();
     pool.check().unwrap();
+}
+
+#[test]
+fn a_lowered_limit_refuses_what_it_no_longer_fits_and_a_raised_one_serves_it_again() {
+    let (_dev, pool, s) = pool();
+    assert_eq!(pool.max_reserved(), 32 << 20);
+    pool.set_max_reserved(16 << 20).unwrap();
+    assert_eq!(pool.max_reserved(), 16 << 20);
+    match pool.alloc(24 * MIB, &s) {
+        Err(Error::OutOfMemory(oom)) => assert_eq!(oom.max_reserved, 16 << 20, "the error names the limit now"),
+        other => panic!("24 MiB under a 16 MiB limit: {other:?}"),
+    }
+    let small = pool.alloc(8 * MIB, &s).expect("what fits under the limit is served");
+    pool.set_max_reserved(32 << 20).unwrap();
+    let b = pool.alloc(24 * MIB, &s).expect("the limit raised again serves it");
+    assert!(pool.stats().peak_reserved_bytes <= 32 << 20);
+    drop((small, b));
+    pool.check().unwrap();
+}
+
+#[test]
+fn memory_mapped_above_a_lowered_limit_serves_until_it_is_unmapped() {
+    let (_dev, pool, s) = pool();
+    let b = pool.alloc(24 * MIB, &s).unwrap();
+    pool.set_max_reserved(8 << 20).unwrap();
+    assert!(pool.stats().reserved_bytes >= 24 << 20, "nothing live is taken away");
+    drop(b);
+    // Mapped already: reused without mapping, as PyTorch reuses cached blocks above its
+    // memory fraction.
+    drop(pool.alloc(16 * MIB, &s).expect("free memory mapped before the change serves"));
+    pool.trim().unwrap();
+    assert!(pool.stats().reserved_bytes <= 8 << 20, "{:?}", pool.stats());
+    assert!(out_of_memory(pool.alloc(16 * MIB, &s)), "once unmapped, 16 MiB needs more than the limit");
+    let c = pool.alloc(6 * MIB, &s).expect("what fits under the limit is served");
+    assert!(pool.stats().reserved_bytes <= 8 << 20, "{:?}", pool.stats());
+    drop(c);
+    pool.check().unwrap();
+}
+
+#[test]
+fn a_limit_above_the_one_the_pool_was_made_with_is_refused() {
+    let (_dev, pool, _s) = pool();
+    assert!(matches!(pool.set_max_reserved(33 << 20), Err(Error::InvalidArgument(_))));
+    assert_eq!(pool.max_reserved(), 32 << 20, "a refused change changes nothing");
+    assert!(
+        matches!(pool.alloc(40 * MIB, &_s), Err(Error::TooLarge { limit, .. }) if limit == 32 << 20),
+        "above the ceiling a request can never be served"
+    );
 }
