@@ -137,6 +137,11 @@ int vrampool_set_oom_handler(int device, vrampool_oom_handler handler, void *use
 // of range).
 int vrampool_set_memory_fraction(int device, double fraction);
 
+// Start device `device`'s peaks again from now (PyTorch's `reset_peak_memory_stats`): the
+// statistics' `peak_allocated_bytes` and `peak_reserved_bytes` then read the most held since
+// this call. Returns 0, or a `vrampool_status` with the error set.
+int vrampool_reset_peak_stats(int device);
+
 // Open graph pool `(pool_a, pool_b)` on `device` for a capture about to begin (PyTorch's
 // `beginAllocateToPool`; the pair is its `MempoolId_t`), or join it if open: until
 // `vrampool_end_allocate_to_pool`, `vrampool_malloc_to_pool` serves the capture from

@@ -16,9 +16,13 @@ pub struct Stats {
     pub allocated_bytes: u64,
     /// Bytes of physical memory mapped (reserved = mapped).
     pub reserved_bytes: u64,
-    /// The most `allocated_bytes` has been.
+    /// The most `allocated_bytes` has been since the pool was made or its peaks were last
+    /// reset ([`crate::Pool::reset_peak_stats`]). A sample: `allocated_bytes` is derived
+    /// from the tiers, with no counter on the hit path, so it is read whenever the pool maps
+    /// past its peak and whenever the figures are taken.
     pub peak_allocated_bytes: u64,
-    /// The most `reserved_bytes` has been.
+    /// The most `reserved_bytes` has been since the pool was made or its peaks were last
+    /// reset (exact).
     pub peak_reserved_bytes: u64,
     /// Bytes in the caches, free for reuse on their own stream: thread caches and stream
     /// depots together.

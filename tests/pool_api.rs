@@ -595,3 +595,23 @@ fn the_time_below_the_caches_counts_every_driver_call_it_made() {
     assert!(st.unmapped_bytes >= pages as u64 * (2 << 20));
     assert!(st.unmap_ns >= least_unmap, "unmap_ns {} under the driver's {least_unmap}", st.unmap_ns);
 }
+
+#[test]
+fn reset_peaks_measure_one_phase_and_leave_the_pools_own_peak_alone() {
+    let (_dev, pool, s) = pool(1 << 30);
+    let big = pool.alloc(64 << 20, &s).unwrap();
+    drop(big);
+    pool.trim().unwrap();
+    let before = pool.stats();
+    assert!(before.peak_reserved_bytes >= 64 << 20 && before.peak_allocated_bytes >= 64 << 20);
+    pool.reset_peak_stats();
+    let reset = pool.stats();
+    assert_eq!((reset.peak_reserved_bytes, reset.peak_allocated_bytes), (reset.reserved_bytes, reset.allocated_bytes));
+    // A smaller phase: its own peak, not the first one's.
+    let b = pool.alloc(8 << 20, &s).unwrap();
+    let phase = pool.stats();
+    assert!(phase.peak_reserved_bytes >= 8 << 20 && phase.peak_reserved_bytes < 64 << 20, "{phase:?}");
+    assert!(phase.peak_allocated_bytes >= 8 << 20 && phase.peak_allocated_bytes < 64 << 20, "{phase:?}");
+    drop(b);
+    pool.check().unwrap();
+}

@@ -6,8 +6,10 @@ vrampool is installed in one of three ways (``--hooks``):
 * ``cpp`` (default): the alloc and free functions are ``vrampool_hooks_malloc`` and
   ``vrampool_hooks_free`` of the C++ extension ``vrampool_hooks.cpp`` (built here with
   torch.utils.cpp_extension and ninja), which raise ``torch.OutOfMemoryError`` where
-  ``vrampool_malloc`` returns NULL, count the calls and time them; the extension then sets
-  the record-stream and reset (empty-cache) hooks on the C++ ``CUDAPluggableAllocator``.
+  ``vrampool_malloc`` returns NULL, count the calls and time them. The extension installs
+  its own subclass of the C++ ``CUDAPluggableAllocator`` (``torch.cuda.memory_stats`` and
+  its kin read vrampool's figures) and sets the record-stream, reset (empty-cache) and
+  memory-fraction hooks on it.
 * ``ctypes``: ``vrampool_malloc`` and ``vrampool_free`` themselves, and the two hooks set
   through ``torch._C._CUDAPluggableAllocator.set_record_stream_fn`` / ``set_reset_fn``
   (private bindings that take a C function's address; ``vrampool_record_stream`` and
@@ -259,14 +261,15 @@ def install_vrampool(lib_path: str, hooks: str, build_dir: str, verbose: bool = 
     if hooks == "cpp":
         ext = build_hooks(build_dir, verbose)
         ext.bind(lib.path)
-        pluggable = torch.cuda.memory.CUDAPluggableAllocator(
-            ext.__file__, ext.MALLOC_SYMBOL, ext.FREE_SYMBOL
-        )
+        # The extension's own subclass of the pluggable allocator, which also answers
+        # torch.cuda.memory_stats and its kin from vrampool's figures.
+        pluggable = None
+        ext.install()
     else:
         pluggable = torch.cuda.memory.CUDAPluggableAllocator(
             lib.path, "vrampool_malloc", "vrampool_free"
         )
-    torch.cuda.memory.change_current_allocator(pluggable)
+        torch.cuda.memory.change_current_allocator(pluggable)
     if hooks == "cpp":
         name = ext.set_hooks(record_stream=True, empty_cache=True)
         assert name == "pluggable", name

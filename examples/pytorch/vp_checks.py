@@ -259,6 +259,35 @@ def memory_fraction(backend) -> dict:
     return r
 
 
+def memory_statistics(backend) -> dict:
+    """PyTorch's memory statistics must follow a tensor: memory_allocated grows by at least
+    its size while it lives, max_memory_allocated and max_memory_reserved cover it, and after
+    it is freed, the cache emptied and the peaks reset, max_memory_reserved is below the
+    peak it had. Under vrampool these are answered by the C++ wrapper's allocator from
+    vrampool's own figures (the public wrapper alone raises)."""
+    if backend.name == "vrampool" and backend.hooks != "cpp":
+        return {"skipped": "the statistics come through the C++ wrapper's allocator", "ok": True}
+    size = 256 << 20
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    t = torch.empty(size, dtype=torch.uint8, device="cuda")
+    r = {
+        "allocated_growth": torch.cuda.memory_allocated() - base,
+        "max_allocated": torch.cuda.max_memory_allocated(),
+        "max_reserved": torch.cuda.max_memory_reserved(),
+    }
+    del t
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    r["max_reserved_after_reset"] = torch.cuda.max_memory_reserved()
+    r["ok"] = (r["allocated_growth"] >= size and r["max_allocated"] >= base + size
+               and r["max_reserved"] >= size and r["max_reserved_after_reset"] < r["max_reserved"])
+    return r
+
+
 def oom_probe() -> dict:
     """Run in a child with the public wrapper only: what a NULL from the alloc function
     becomes (the tensor is never touched)."""

@@ -1,7 +1,7 @@
 // What Python's CUDAPluggableAllocator wrapper does not reach, for vrampool under PyTorch.
 //
 // Built on the GPU machine by run.py (torch.utils.cpp_extension.load, ninja, a build folder
-// under /tmp). It owns four things:
+// under /tmp). It owns these things:
 //
 // 1. The alloc and free functions PyTorch calls (`vrampool_hooks_malloc`,
 //    `vrampool_hooks_free`, exported so that Python's CUDAPluggableAllocator can dlsym them
@@ -33,6 +33,11 @@
 //    and runs its driver calls in the RELAXED capture mode. The end and release hooks run
 //    in PyTorch's capture_end and graph destructor: they never throw (a failure is counted
 //    and kept in graph_errors for counters()).
+// 2c. PyTorch's memory statistics: install() makes a subclass of the C++
+//    CUDAPluggableAllocator over (1) the current allocator, whose getDeviceStats and
+//    resetPeakStats answer from vrampool_stats_json and vrampool_reset_peak_stats, so that
+//    torch.cuda.memory_stats, memory_allocated, max_memory_reserved and
+//    reset_peak_memory_stats work (the base class raises for each).
 // 3. Counters of what PyTorch asked for, and the time spent inside vrampool's malloc and
 //    free (a tick counter read around each call; off unless asked for). Each thread has
 //    its own slot, written only by it: no read-modify-write on the allocation path.
@@ -54,6 +59,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -83,6 +89,7 @@ using LastErrorCodeFn = int (*)();
 using MallocToPoolFn = void* (*)(ssize_t, int, void*, uint64_t, uint64_t);
 using PoolFn = int (*)(int, uint64_t, uint64_t);
 using MemoryFractionFn = int (*)(int, double);
+using ResetPeakFn = int (*)(int);
 
 // vrampool_status values (include/vrampool.h) this file tells apart.
 constexpr int kInvalidFree = 2;
@@ -106,8 +113,10 @@ struct Library {
   PoolFn begin_pool = nullptr;
   PoolFn end_pool = nullptr;
   PoolFn release_pool = nullptr;
-  // vrampool_set_memory_fraction; optional (an older library has none).
+  // vrampool_set_memory_fraction and vrampool_reset_peak_stats; optional (an older library
+  // has neither).
   MemoryFractionFn memory_fraction = nullptr;
+  ResetPeakFn reset_peak = nullptr;
 };
 Library lib;
 
@@ -416,6 +425,7 @@ void bind(const std::string& path) {
     lib.malloc_to_pool = nullptr;  // an older library: no graph pools
   }
   lib.memory_fraction = reinterpret_cast<MemoryFractionFn>(dlsym(h, "vrampool_set_memory_fraction"));
+  lib.reset_peak = reinterpret_cast<ResetPeakFn>(dlsym(h, "vrampool_reset_peak_stats"));
   lib.malloc = symbol<MallocFn>(h, "vrampool_malloc");
   lib.handle = h;
 }
@@ -457,6 +467,82 @@ void empty_cache_hook() {
     std::string why = last_error_or("no message");
     throw_error(false, "vrampool_empty_cache failed (status " + num(rc) + "): " + why);
   }
+}
+
+// ---- PyTorch's memory statistics --------------------------------------------------------
+
+// One number of vrampool's statistics JSON (its keys are unique and its values integers).
+int64_t stat_of(const std::string& json, const char* key) {
+  const std::string pattern = std::string("\"") + key + "\":";
+  const auto at = json.find(pattern);
+  return at == std::string::npos ? 0 : std::strtoll(json.c_str() + at + pattern.size(), nullptr, 10);
+}
+
+std::string stats_json(int device) {
+  const size_t n = lib.stats_json(device, nullptr, 0);
+  if (n == 0) {
+    throw_error(false, "vrampool_stats_json failed: " + last_error_or("no message"));
+  }
+  std::string buf(n + 1, '\0');
+  lib.stats_json(device, buf.data(), buf.size());
+  buf.resize(n);
+  return buf;
+}
+
+// The pluggable allocator with PyTorch's statistics answered from vrampool's: without it,
+// torch.cuda.memory_stats, memory_allocated, max_memory_reserved and the rest raise
+// ("does not yet support getDeviceStats"), and training loops and serving frameworks call
+// them to log and to size their caches. Only the aggregate ("all") entries are filled:
+// vrampool has no small and large pools in PyTorch's sense. The peak of allocated bytes is
+// vrampool's sample (taken when it maps and whenever its figures are read), the rest exact.
+struct StatsAllocator : torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
+  using CUDAPluggableAllocator::CUDAPluggableAllocator;
+
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    const std::string j = stats_json(device);
+    c10::CachingDeviceAllocator::DeviceStats d;
+    const auto all = static_cast<size_t>(c10::CachingDeviceAllocator::StatType::AGGREGATE);
+    auto& blocks = d.allocation[all];
+    blocks.current = stat_of(j, "live_blocks");
+    blocks.peak = blocks.current;
+    blocks.allocated = stat_of(j, "allocs");
+    blocks.freed = blocks.allocated - blocks.current;
+    d.active[all] = blocks;
+    auto& allocated = d.allocated_bytes[all];
+    allocated.current = stat_of(j, "allocated_bytes");
+    allocated.peak = stat_of(j, "peak_allocated_bytes");
+    d.active_bytes[all] = allocated;
+    auto& reserved = d.reserved_bytes[all];
+    reserved.current = stat_of(j, "reserved_bytes");
+    reserved.peak = stat_of(j, "peak_reserved_bytes");
+    reserved.allocated = stat_of(j, "mapped_bytes");
+    reserved.freed = stat_of(j, "unmapped_bytes");
+    d.num_ooms = stat_of(j, "ooms");
+    d.num_alloc_retries = stat_of(j, "oom_handler_calls");
+    return d;
+  }
+
+  void resetPeakStats(c10::DeviceIndex device) override {
+    if (lib.reset_peak == nullptr || lib.reset_peak(device) != 0) {
+      throw_error(false, "vrampool_reset_peak_stats failed: " + last_error_or("not in this library"));
+    }
+  }
+};
+
+// Make a StatsAllocator over this module's alloc and free functions PyTorch's CUDA
+// allocator, in place of Python's CUDAPluggableAllocator (whose C++ object cannot be
+// subclassed from Python); before CUDA is initialised, as any change of allocator.
+std::string install() {
+  require_bound();
+  auto a = std::make_shared<StatsAllocator>(
+      [](size_t size, int device, cudaStream_t stream) {
+        return vrampool_hooks_malloc(static_cast<ssize_t>(size), device, stream);
+      },
+      [](void* ptr, size_t size, int device, cudaStream_t stream) {
+        vrampool_hooks_free(ptr, static_cast<ssize_t>(size), device, stream);
+      });
+  torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
+  return a->name();
 }
 
 // torch.cuda.set_per_process_memory_fraction(fraction, device): vrampool's limit for the
@@ -694,6 +780,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("empty_cache") = true,
       py::arg("graph_pools") = true,
       "install or remove the record_stream, empty_cache and graph-pool hooks on the current pluggable allocator");
+  m.def(
+      "install",
+      &install,
+      "make vrampool PyTorch's CUDA allocator through this module, with PyTorch's memory statistics");
   m.def("counters", &counters, "what PyTorch asked of vrampool through this module");
   m.def("set_timing", [](bool on) { timing.store(on); }, "time each vrampool malloc/free");
   m.def(

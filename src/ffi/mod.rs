@@ -221,6 +221,25 @@ pub extern "C" fn vrampool_set_memory_fraction(device: c_int, fraction: f64) -> 
     })
 }
 
+/// Start device `device`'s peaks again from now (PyTorch's `reset_peak_memory_stats`): the
+/// statistics' `peak_allocated_bytes` and `peak_reserved_bytes` then read the most held since
+/// this call. Returns 0, or a `vrampool_status` with the error set.
+#[no_mangle]
+pub extern "C" fn vrampool_reset_peak_stats(device: c_int) -> c_int {
+    guarded("vrampool_reset_peak_stats", vrampool_status::VRAMPOOL_ERROR_INTERNAL as c_int, || {
+        let pool = usize::try_from(device)
+            .map_err(|_| Error::InvalidArgument(format!("device {device} is not an ordinal")))
+            .and_then(registry::pool);
+        match pool {
+            Ok(p) => {
+                p.reset_peak_stats();
+                0
+            }
+            Err(e) => AbiError::from_error("vrampool_reset_peak_stats", Counter::FailedCalls, &e).report(),
+        }
+    })
+}
+
 /// The `user_data` of an out-of-memory handler, carried to whichever thread runs it.
 struct UserData(*mut c_void);
 

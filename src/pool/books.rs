@@ -27,6 +27,13 @@ impl PoolInner {
         held.saturating_sub(thread + depot).saturating_sub(retiring)
     }
 
+    /// The figures' peaks start again from now (`Pool::reset_peak_stats`).
+    pub(crate) fn reset_peaks(&self) {
+        self.pages.reset_shown_peak();
+        self.counters.peak_allocated.store(self.allocated_now(), Ordering::Release);
+        self.sample_peak();
+    }
+
     pub(crate) fn sample_peak(&self) {
         let now = self.allocated_now();
         self.counters.peak_allocated.fetch_max(now, Ordering::AcqRel);
@@ -102,7 +109,7 @@ impl PoolInner {
             allocated_bytes: allocated,
             reserved_bytes: self.pages.mapped_bytes(),
             peak_allocated_bytes: peak_allocated,
-            peak_reserved_bytes: self.pages.peak_mapped_bytes(),
+            peak_reserved_bytes: self.pages.shown_peak_bytes(),
             cached_bytes: thread_cached + depot,
             thread_cached_bytes: thread_cached,
             depot_bytes: depot,

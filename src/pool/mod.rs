@@ -332,6 +332,14 @@ impl Pool {
         self.inner.stats()
     }
 
+    /// Start the figures' peaks again from now (PyTorch's `reset_peak_memory_stats`):
+    /// `Stats::peak_allocated_bytes` and `peak_reserved_bytes` then read the most held since
+    /// this call, to measure one phase of a program. The pool's own rules, which compare its
+    /// growth with the most it ever mapped, do not change.
+    pub fn reset_peak_stats(&self) {
+        self.inner.reset_peaks();
+    }
+
     /// Give back what the pool holds and does not use: every cached block and every wholly
     /// free chunk goes back to the arena, the host waits for every stream's work enqueued so
     /// far (so no fence is left incomplete), and every wholly free page above the floor

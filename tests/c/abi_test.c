@@ -1,6 +1,6 @@
 /* The C ABI from C, on the simulator: every entry point, every bad input, threads with
  * their own streams freeing each other's blocks, record_stream, the statistics JSON, the
- * out-of-memory handler and the memory fraction.
+ * out-of-memory handler, the memory fraction and the peaks' reset.
  *
  * Built and run by tests/c_abi.rs (cc -std=c11 -Wall -Wextra -Werror -pthread against
  * include/vrampool.h and libvrampool.so) with VRAMPOOL_DEVICE=sim. Exits 0 when every check
@@ -472,6 +472,14 @@ static void memory_fraction(void) {
     CHECK(vrampool_set_memory_fraction(0, 0.9) == VRAMPOOL_ERROR_INVALID_ARGUMENT); /* above 80% */
     CHECK_ERROR(VRAMPOOL_ERROR_INVALID_ARGUMENT);
     CHECK(vrampool_set_memory_fraction(-1, 0.5) == VRAMPOOL_ERROR_INVALID_ARGUMENT);
+    CHECK_ERROR(VRAMPOOL_ERROR_INVALID_ARGUMENT);
+    /* The peaks start again: the gigabyte above is no longer the peak once freed, trimmed
+     * and reset. */
+    CHECK(vrampool_empty_cache() == 0);
+    CHECK(stat(0, "peak_reserved_bytes") >= gib);
+    CHECK(vrampool_reset_peak_stats(0) == 0);
+    CHECK(stat(0, "peak_reserved_bytes") < gib && stat(0, "peak_allocated_bytes") < gib);
+    CHECK(vrampool_reset_peak_stats(-1) == VRAMPOOL_ERROR_INVALID_ARGUMENT);
     CHECK_ERROR(VRAMPOOL_ERROR_INVALID_ARGUMENT);
 }
 

@@ -105,6 +105,10 @@ pub struct PageMap {
     words: LazyWords,
     mapped: AtomicU64,
     peak: AtomicU64,
+    /// The most bytes mapped at once since the figures' peaks were last reset
+    /// ([`PageMap::reset_shown_peak`]): what `Stats` shows. `peak` is the pool's own, which
+    /// its growth rules compare against, and is never reset.
+    shown_peak: AtomicU64,
     /// Pages `MAPPED` with count 0. Updated after the CASes that change pages (once per call,
     /// for all the pages it changed), so it may dip below zero for a moment (wrapping); read
     /// through `free_mapped_pages`.
@@ -195,6 +199,7 @@ impl PageMap {
             words: LazyWords::new(pages),
             mapped: AtomicU64::new(0),
             peak: AtomicU64::new(0),
+            shown_peak: AtomicU64::new(0),
             free_mapped: AtomicU64::new(0),
             max_run: MAX_RUN,
             phys: LazyWords::new(pages),
@@ -370,6 +375,7 @@ impl PageMap {
                 if backing == Backing::Fresh {
                     let now = self.mapped.fetch_add(page * n as u64, Ordering::AcqRel) + page * n as u64;
                     self.peak.fetch_max(now, Ordering::AcqRel);
+                    self.shown_peak.fetch_max(now, Ordering::AcqRel);
                 }
                 Ok(())
             }
@@ -666,6 +672,18 @@ impl PageMap {
     /// The most bytes ever mapped at once.
     pub fn peak_mapped_bytes(&self) -> u64 {
         self.peak.load(Ordering::Acquire)
+    }
+
+    /// The most bytes mapped at once since [`PageMap::reset_shown_peak`] (or ever).
+    pub fn shown_peak_bytes(&self) -> u64 {
+        self.shown_peak.load(Ordering::Acquire)
+    }
+
+    /// Start the shown peak again from what is mapped now. A map racing the reset may have
+    /// raised the peak before the store: the last `fetch_max` takes it again.
+    pub fn reset_shown_peak(&self) {
+        self.shown_peak.store(self.mapped_bytes(), Ordering::Release);
+        self.shown_peak.fetch_max(self.mapped_bytes(), Ordering::AcqRel);
     }
 
     /// Pages mapped with no live block on them: exact when quiet.
