@@ -186,3 +186,27 @@ fn a_limit_above_the_one_the_pool_was_made_with_is_refused() {
         "above the ceiling a request can never be served"
     );
 }
+
+#[test]
+fn a_handler_may_flush_and_trim_the_pool_whose_allocation_it_serves() {
+    let (dev, pool, s) = pool();
+    let other = dev.new_stream().unwrap();
+    // This thread's caches hold blocks of two streams; the handler drops them all.
+    drop((0..16).map(|_| pool.alloc(64 << 10, &s).unwrap()).collect::<Vec<_>>());
+    drop((0..16).map(|_| pool.alloc(64 << 10, &other).unwrap()).collect::<Vec<_>>());
+    let spare = spares(&pool, &s, 1, 24 * MIB);
+    let pool = Arc::new(pool);
+    let (p, evict) = (Arc::downgrade(&pool), Arc::clone(&spare));
+    pool.set_out_of_memory_handler(move |_| {
+        let Some(p) = p.upgrade() else { return false };
+        let freed = evict.lock().unwrap().pop().is_some();
+        p.flush_thread_cache();
+        p.trim().is_ok() && freed
+    });
+    let b = pool.alloc(24 * MIB, &s).expect("served after the handler emptied and trimmed the pool");
+    let small = pool.alloc(64 << 10, &s).expect("the thread's cache is made again");
+    assert_eq!(pool.stats().oom_rescues, 1);
+    pool.clear_out_of_memory_handler();
+    drop((b, small));
+    pool.check().unwrap();
+}

@@ -78,19 +78,32 @@ fn malloc_hit(m: &memo::Memo, size: usize, device: c_int, raw: u64) -> Option<*m
 #[inline(never)]
 fn malloc_miss(m: &memo::Memo, cache: &crate::StreamCache, size: usize) -> *mut c_void {
     let _relaxed = relaxed();
+    // What the block is published with, read before the pool is called: an out-of-memory
+    // handler inside it may call into this library and make the memo name another stream.
+    let (token_bits, token, owner, dev) = (m.token_bits.get(), m.token.get(), m.owner.get(), m.dev.get());
+    let named = (m.alloc_device.get(), m.raw.get(), m.rec.get());
+    let unmoved = |m: &memo::Memo| (m.alloc_device.get(), m.raw.get(), m.rec.get()) == named;
     match cache.alloc(size) {
-        Ok(block) => {
+        Ok(block) if unmoved(m) => {
             // `size` packs (checked by the caller): the block goes to its slot as it is.
             let (addr, len, size_class) = words::view(&block);
             std::mem::forget(block);
-            let info = len | m.token_bits.get();
-            if !m.table().publish_at(addr, m.owner.get(), Words { info, size: size_class, ext: false }) {
+            let info = len | token_bits;
+            if !m.table().publish_at(addr, owner, Words { info, size: size_class, ext: false }) {
                 return outside_table(m, addr, len, size_class);
             }
             addr as *mut c_void
         }
-        // SAFETY: the memo names a device, which lives for ever.
-        Err(e) => malloc_failed(unsafe { &*m.dev.get() }, m, size, e),
+        // The memo moved on meanwhile: publish through the device's record.
+        // SAFETY: `dev` is the device the memo named at the call, and devices live for ever.
+        Ok(block) => publish(unsafe { &*dev }, block, token, owner),
+        // SAFETY: as above.
+        Err(e) if unmoved(m) => malloc_failed(unsafe { &*dev }, m, size, e),
+        // The pool's own retries, the handler's included, are done: report.
+        Err(e) => {
+            AbiError::from_error("vrampool_malloc", Counter::FailedMallocs, &e).report();
+            std::ptr::null_mut()
+        }
     }
 }
 

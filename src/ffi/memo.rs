@@ -217,11 +217,17 @@ fn cache_for(device: i64, key: u64, dev: &AbiDevice, rec: &StreamRec) -> *const 
             // caches of every stream declared destroyed since, whatever its key: a thread
             // that served many short-lived streams kept one for each (see
             // `pool::local`'s `drop_destroyed`, which then flushes them).
-            list.retain(|e| {
-                let s = e.2.stream();
-                !(s.is_destroyed() || (e.0 == device && e.1 == key && s.id() != rec.id))
-            });
-            if let Some(e) = list.iter().find(|e| e.0 == device && e.1 == key) {
+            //
+            // Not while this thread runs an out-of-memory handler: the allocation the handler
+            // serves is inside one of these caches. The entries wait for the next call, and
+            // the search matches the stream too, so a stale one is never taken.
+            if !crate::pool::in_oom_handler() {
+                list.retain(|e| {
+                    let s = e.2.stream();
+                    !(s.is_destroyed() || (e.0 == device && e.1 == key && s.id() != rec.id))
+                });
+            }
+            if let Some(e) = list.iter().find(|e| e.0 == device && e.1 == key && e.2.stream().id() == rec.id) {
                 return &e.2 as *const StreamCache;
             }
             match dev.entry.pool.stream_cache(&rec.stream) {

@@ -62,9 +62,10 @@ impl PoolInner {
     /// What the last rungs may take: memory ready for the stream, mapping up to the limit.
     const ALLOWED: Mode = Mode { reuse: Reuse::Ready, mapping: Mapping::Allowed };
 
-    /// Place `size` bytes for `st`, climbing the ladder as far as it must, and again while
-    /// the out-of-memory handler (rung 10) says so; the time the climbs take is counted in
-    /// `Stats::ladder_ns` (the handler's own time is not).
+    /// Place `size` bytes for `st`, climbing the ladder as far as it must; the time it
+    /// takes is counted in `Stats::ladder_ns`. Rungs 10 and 11 are the caller's
+    /// ([`PoolInner::after_climb`]), where no cache is held: the handler may drop this
+    /// thread's caches.
     pub(crate) fn alloc_arena(
         &self,
         size: u64,
@@ -72,31 +73,38 @@ impl PoolInner {
         st: &StreamState,
         own: Option<&local::ThreadCache>,
     ) -> Result<u64> {
-        let mut round = 0;
-        loop {
-            let climbed = Counters::timed(&self.counters.ladder_ns, || self.climb(size, requested, st, own));
-            match climbed {
-                // 10.
-                Err(Error::OutOfMemory(oom)) if self.on_oom.retry(&oom, round) => {
-                    tracing::debug!(size, stream = st.stream.id(), round, "rung 10: the handler freed memory");
-                    round += 1;
-                }
-                // 11.
-                Err(e @ Error::OutOfMemory(_)) => {
-                    Counters::bump(&self.counters.ooms, 1);
-                    return Err(e);
-                }
-                Ok(addr) if round > 0 => {
-                    Counters::bump(&self.on_oom.rescues, 1);
-                    return Ok(addr);
-                }
-                other => return other,
+        Counters::timed(&self.counters.ladder_ns, || self.climb(size, requested, st, own))
+    }
+
+    /// Rungs 10 and 11, for an allocation's whole cold path (`r`, its `round`-th attempt,
+    /// from 0): `None` when the out-of-memory handler freed memory and the allocation is to
+    /// be tried again from the start (round counted), else what the caller returns, with an
+    /// out-of-memory error counted in `Stats::ooms` and a success after the handler in
+    /// `Stats::oom_rescues`. Called where the allocation holds no reference into this
+    /// thread's caches: the handler runs user code, which may flush and drop them.
+    pub(crate) fn after_climb<T>(&self, r: Result<T>, round: &mut u64) -> Option<Result<T>> {
+        match r {
+            // 10.
+            Err(Error::OutOfMemory(oom)) if self.on_oom.retry(&oom, *round) => {
+                tracing::debug!(requested = oom.requested, round = *round, "rung 10: the handler freed memory");
+                *round += 1;
+                None
             }
+            // 11.
+            Err(e @ Error::OutOfMemory(_)) => {
+                Counters::bump(&self.counters.ooms, 1);
+                Some(Err(e))
+            }
+            Ok(v) if *round > 0 => {
+                Counters::bump(&self.on_oom.rescues, 1);
+                Some(Ok(v))
+            }
+            other => Some(other),
         }
     }
 
     /// The ladder's rungs, in order, up to rung 9; the error it ends with is rung 10's
-    /// question and rung 11's answer.
+    /// question ([`PoolInner::after_climb`]).
     fn climb(&self, size: u64, requested: usize, st: &StreamState, own: Option<&local::ThreadCache>) -> Result<u64> {
         let _span = tracing::debug_span!("ladder", size, stream = st.stream.id()).entered();
         let ready = Mode::READY;
@@ -171,7 +179,7 @@ impl PoolInner {
             tracing::debug!(size, stream = st.stream.id(), "rung 9: a small block in a gap of the extents");
             return Ok(self.placed_by(9, a));
         }
-        // 10 and 11: the caller's (`alloc_arena`).
+        // 10 and 11: the cold path's, once it holds no cache (`after_climb`).
         tracing::debug!("out of memory");
         let s = self.stats();
         Err(Error::OutOfMemory(Box::new(OutOfMemory {

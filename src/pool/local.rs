@@ -137,7 +137,28 @@ impl ThreadCache {
     #[track_caller]
     pub(crate) fn alloc(&self, bytes: usize) -> Result<Block> {
         let (pool, site) = (NonNull::from(&*self.pool), Location::caller());
-        alloc_through(pool, self.stream_id, bytes, || Some(&*self.shared), |class| self.alloc_cold(bytes, class, site))
+        alloc_through(
+            pool,
+            self.stream_id,
+            bytes,
+            || Some(&*self.shared),
+            |class| self.alloc_cold_whole(bytes, class, site),
+        )
+    }
+
+    /// [`ThreadCache::alloc_cold`] with rungs 10 and 11 of the ladder (the out-of-memory
+    /// handler): for a cache its caller holds through a [`StreamCache`], which keeps it alive
+    /// whatever the handler drops.
+    #[cold]
+    #[inline(never)]
+    fn alloc_cold_whole(&self, bytes: usize, class: Option<usize>, site: &'static Location) -> Result<Placed> {
+        let mut round = 0;
+        loop {
+            let r = self.alloc_cold(bytes, class, site);
+            if let Some(r) = self.pool.after_climb(r, &mut round) {
+                return r;
+            }
+        }
     }
 
     /// Everything but the hit path: the magazines again once any thief is gone, the
@@ -627,11 +648,19 @@ fn alloc_slow(
     class: Option<usize>,
     site: &'static Location,
 ) -> Result<Placed> {
-    match find(pool, stream.id(), || pool.stream_state(stream).ok()) {
-        // SAFETY: `find` names a cache a live entry of this thread holds, and nothing the
-        // allocation reaches removes entries (see `Memo`).
-        Some(tc) => unsafe { &*tc }.alloc_cold(bytes, class, site),
-        None => pool.alloc_uncached(bytes, &pool.stream_state(stream)?, None, site),
+    let mut round = 0;
+    loop {
+        let r = match find(pool, stream.id(), || pool.stream_state(stream).ok()) {
+            // SAFETY: `find` names a cache a live entry of this thread holds, and nothing the
+            // allocation reaches removes entries (see `Memo`): the out-of-memory handler,
+            // which may, runs only once this reference is dead (below), and the next round
+            // finds the cache again.
+            Some(tc) => unsafe { &*tc }.alloc_cold(bytes, class, site),
+            None => pool.alloc_uncached(bytes, &pool.stream_state(stream)?, None, site),
+        };
+        if let Some(r) = pool.after_climb(r, &mut round) {
+            return r;
+        }
     }
 }
 

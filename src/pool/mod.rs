@@ -56,6 +56,8 @@ pub use leaks::Leak;
 #[cfg(not(loom))]
 pub(crate) use local::try_alloc_hit;
 pub use local::StreamCache;
+#[cfg(not(loom))]
+pub(crate) use on_oom::in_handler as in_oom_handler;
 pub use on_oom::OOM_HANDLER_ROUNDS;
 pub(crate) use place::KEEP_FREE_CHUNKS;
 pub use snapshot::{BlockState, Extent, Segment, Snapshot};

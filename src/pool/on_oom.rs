@@ -11,9 +11,13 @@
 //! **What it owns, and its invariants.**
 //! - At most one handler a pool, swapped whole (`arc_swap`): a thread calling the old one
 //!   while another sets a new one finishes with the old one; nothing else is shared.
-//! - The pool holds no lock, no cache and no page while the handler runs, so the handler
-//!   may free blocks of any pool and allocate (frees and allocations then take their usual
-//!   paths).
+//! - The pool holds no lock, no page and no reference into this thread's caches while the
+//!   handler runs: it is called from the top of an allocation's cold path, after the
+//!   ladder's climb has returned (`PoolInner::after_climb`), and the allocation starts again
+//!   from finding its cache. So the handler may free blocks of any pool, allocate, flush
+//!   this thread's caches and trim. The C ABI's list of the thread's caches keeps every
+//!   entry while a handler runs (`in_handler`): the allocation under the handler is
+//!   inside one of them.
 //! - It is never called from inside itself: while a thread runs a handler, an allocation
 //!   of that thread that runs out of memory (from any pool) fails at once. Without the
 //!   guard a handler that allocates would call itself until the stack ran out.
@@ -45,6 +49,13 @@ crate::sync::thread_local! {
     /// Whether this thread is running an out-of-memory handler now. Not part of any
     /// protocol between threads: a plain cell.
     static IN_HANDLER: std::cell::Cell<bool> = std::cell::Cell::new(false);
+}
+
+/// Whether this thread is running an out-of-memory handler now: code that could drop what
+/// the allocation under the handler still uses (the C ABI's list of this thread's caches)
+/// waits until it returns.
+pub(crate) fn in_handler() -> bool {
+    IN_HANDLER.try_with(|h| h.get()).unwrap_or(false)
 }
 
 /// A pool's handler and what it did.

@@ -421,6 +421,11 @@ static int free_the_spare(size_t requested, int device, void *user) {
     if (oom_spare == NULL) {
         return 0;
     }
+    /* Calls into the library on another stream first: the allocation under the handler
+     * must still be published as its own. */
+    void *other = vrampool_malloc(4096, 0, stream_of(7));
+    CHECK(other != NULL);
+    vrampool_free(other, 4096, 0, stream_of(7));
     vrampool_free(oom_spare, (ssize_t)1 << 30, 0, NULL);
     oom_spare = NULL;
     return 1;
