@@ -182,6 +182,13 @@ int vrampool_empty_cache(void);
 // file when the process exits normally.
 int vrampool_flush_traces(void);
 
+// Pause (`paused` non-zero) or resume (0) the traces the pools record
+// (`VRAMPOOL_RECORD_TRACE`): blocks allocated while paused are left out whole (their frees
+// too), so a program records its workload alone, not its start-up or its own checks; the
+// frees of blocks written before are written. Pools made later start as this says, so a
+// program may pause before its first allocation. Returns 0 (also when nothing records).
+int vrampool_pause_traces(int paused);
+
 // Device `device`'s statistics as one JSON object, as `snprintf` writes: returns the
 // length of the whole JSON (without its NUL), writes at most `len` bytes including a NUL,
 // and accepts `buf = NULL, len = 0` to ask for the length. The keys are the fields of

@@ -173,7 +173,9 @@ def child(args) -> int:
             nondet.current = None
         report["nondeterministic_ops"] = nondet.seen
     # The checks and the cost measurements need no determinism, and its fill of every new
-    # tensor would be counted in the per-tensor cost.
+    # tensor would be counted in the per-tensor cost. Nor are they the workloads: a trace
+    # recorded with VRAMPOOL_RECORD_TRACE stops here.
+    backend.pause_traces(True)
     torch.use_deterministic_algorithms(False)
     gc.collect()
     torch.cuda.synchronize()

@@ -112,6 +112,15 @@ class Library:
         L.vrampool_last_error.argtypes = []
         L.vrampool_last_error.restype = ctypes.c_char_p
 
+    def pause_traces(self, paused: bool) -> None:
+        """Pause or resume VRAMPOOL_RECORD_TRACE's recording (a library without the call,
+        or a process that does not record: nothing)."""
+        f = getattr(self.lib, "vrampool_pause_traces", None)
+        if f is not None:
+            f.argtypes = [ctypes.c_int]
+            f.restype = ctypes.c_int
+            f(1 if paused else 0)
+
     def address(self, name: str) -> int:
         return ctypes.cast(getattr(self.lib, name), ctypes.c_void_p).value
 
@@ -182,6 +191,9 @@ class PyTorchBackend:
     def refusals(self) -> dict:
         return {}
 
+    def pause_traces(self, paused: bool) -> None:
+        pass  # PyTorch's allocator records nothing here
+
     def set_record_stream_hook(self, on: bool) -> bool:
         return True  # PyTorch's allocator always honours record_stream
 
@@ -228,6 +240,9 @@ class VrampoolBackend:
 
     def final(self) -> dict:
         return self.stats()
+
+    def pause_traces(self, paused: bool) -> None:
+        self.lib.pause_traces(paused)
 
     def refusals(self) -> dict:
         s = self.stats()

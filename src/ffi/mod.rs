@@ -390,6 +390,19 @@ pub extern "C" fn vrampool_flush_traces() -> c_int {
     })
 }
 
+/// Pause (`paused` non-zero) or resume (0) the traces the pools record
+/// (`VRAMPOOL_RECORD_TRACE`): blocks allocated while paused are left out whole (their frees
+/// too), so a program records its workload alone, not its start-up or its own checks; the
+/// frees of blocks written before are written. Pools made later start as this says, so a
+/// program may pause before its first allocation. Returns 0 (also when nothing records).
+#[no_mangle]
+pub extern "C" fn vrampool_pause_traces(paused: c_int) -> c_int {
+    guarded("vrampool_pause_traces", vrampool_status::VRAMPOOL_ERROR_INTERNAL as c_int, || {
+        registry::pause_traces(paused != 0);
+        0
+    })
+}
+
 /// Device `device`'s statistics as one JSON object, as `snprintf` writes: returns the
 /// length of the whole JSON (without its NUL), writes at most `len` bytes including a NUL,
 /// and accepts `buf = NULL, len = 0` to ask for the length. The keys are the fields of

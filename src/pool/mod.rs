@@ -412,6 +412,16 @@ impl Pool {
         self.inner.on_oom.set(None);
     }
 
+    /// Pause the trace of [`PoolConfig::record_trace`] (`true`) or go on with it (`false`):
+    /// blocks allocated while it is paused are left out of it whole, so that a program can
+    /// record its workload alone, not its start-up or its own checks. Nothing for a pool
+    /// that does not record.
+    pub fn pause_trace(&self, paused: bool) {
+        if let Some(r) = &self.inner.recorder {
+            r.pause(paused);
+        }
+    }
+
     /// Write the lines of [`PoolConfig::record_trace`] buffered so far to its file: the
     /// events written since the pool was made, or the error that stopped the recording (a
     /// full disk, say). `Ok(0)` for a pool that does not record.

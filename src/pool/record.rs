@@ -22,6 +22,9 @@
 //!   blocks) are not written.
 //! * **Streams** are numbered from 0 in the order they first allocate; a free is written on
 //!   its block's stream, the stream it is ordered on.
+//! * **Pauses** ([`Pool::pause_trace`](super::Pool::pause_trace)) leave out the blocks
+//!   allocated meanwhile, whole: their frees are not written either, and the frees of
+//!   blocks written before are. The file stays a trace that replays.
 //!
 //! # Why a mutex, and off the hit path
 //!
@@ -68,6 +71,9 @@ struct Books {
     streams: HashMap<StreamId, u32>,
     /// Lines written so far, the header not counted.
     events: u64,
+    /// While true, allocations are not written (their frees then are not either); frees of
+    /// blocks written before still are, so the file stays a trace that replays.
+    paused: bool,
 }
 
 impl Recorder {
@@ -83,6 +89,7 @@ impl Recorder {
             next_id: 0,
             streams: HashMap::new(),
             events: 0,
+            paused: false,
         };
         Ok(Recorder { path: path.to_path_buf(), books: Mutex::new(books) })
     }
@@ -99,6 +106,9 @@ impl Recorder {
             return;
         }
         let mut b = self.books();
+        if b.paused {
+            return;
+        }
         let id = b.next_id;
         b.next_id += 1;
         b.live.insert(addr, (id, bytes));
@@ -112,6 +122,14 @@ impl Recorder {
         let Some((id, bytes)) = b.live.remove(&addr) else { return };
         let s = b.stream_number(stream);
         b.line(format_args!("f,{id},{bytes},{s}"));
+    }
+
+    /// Stop writing allocations (`true`) or start again (`false`): what a program records
+    /// can then be its workload alone, not its start-up or its own checks. A block
+    /// allocated while paused is left out whole (its free too); a block written before is
+    /// freed in the file whenever it is freed.
+    pub(crate) fn pause(&self, paused: bool) {
+        self.books().paused = paused;
     }
 
     /// Write what is buffered to the file: the lines written so far, or the error that
@@ -190,6 +208,23 @@ mod tests {
         let text = std::fs::read_to_string(&path).unwrap();
         std::fs::remove_file(&path).unwrap();
         assert_eq!(text, "op,id,size,stream\na,0,100,0\na,1,300,1\nf,0,100,0\na,2,50,1\nf,2,50,1\n");
+    }
+
+    #[test]
+    fn a_pause_leaves_out_whole_blocks_and_keeps_the_frees_of_those_written() {
+        let path = temp("pause");
+        let r = Recorder::create(&path).unwrap();
+        r.alloc(0x1000, 100, 7);
+        r.pause(true);
+        r.alloc(0x2000, 200, 7); // left out, and so is its free
+        r.free(0x1000, 7); // written before the pause: its free is written
+        r.pause(false);
+        r.free(0x2000, 7);
+        r.alloc(0x3000, 300, 7);
+        assert_eq!(r.flush().unwrap(), 3);
+        let text = std::fs::read_to_string(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(text, "op,id,size,stream\na,0,100,0\nf,0,100,0\na,1,300,0\n");
     }
 
     #[test]

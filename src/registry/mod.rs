@@ -33,7 +33,7 @@ mod streams;
 pub use config::{Config, DeviceChoice, MAX_DEVICES, MAX_STREAMS, REGISTRY_MAP_RUN_PAGES, VARIABLES};
 pub(crate) use streams::StreamRec;
 
-use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::device::{Device, DeviceKind, Stream};
@@ -186,6 +186,19 @@ pub fn flush_traces() -> Result<u64> {
     first.map_or(Ok(events), Err)
 }
 
+/// Whether the registry's traces are paused ([`pause_traces`]): pools made later start so.
+static TRACES_PAUSED: AtomicBool = AtomicBool::new(false);
+
+/// Pause (`true`) or resume (`false`) the traces every pool of the registry records
+/// ([`Pool::pause_trace`]), and those of pools it makes later: a program may pause before
+/// its first allocation and record only what it resumes around.
+pub fn pause_traces(paused: bool) {
+    // SeqCst with the load after a new entry is published: either this walk finds the
+    // entry, or its maker reads the new value.
+    TRACES_PAUSED.store(paused, Ordering::SeqCst);
+    entries().for_each(|e| e.pool.pause_trace(paused));
+}
+
 /// Register, once, the `atexit` handler of [`flush_traces`].
 fn flush_traces_at_exit() {
     static ONCE: std::sync::Once = std::sync::Once::new();
@@ -257,7 +270,13 @@ fn make_entry(device: usize, slot: &AtomicPtr<Entry>) -> Result<&'static Entry> 
     // Release: whoever loads the pointer sees the entry whole.
     slot.store(p, Ordering::Release);
     // SAFETY: just published, never dropped.
-    Ok(unsafe { &*p })
+    let e = unsafe { &*p };
+    if records {
+        // After publishing (see `pause_traces`): a pause made meanwhile is not missed.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        e.pool.pause_trace(TRACES_PAUSED.load(Ordering::SeqCst));
+    }
+    Ok(e)
 }
 
 #[cfg(feature = "cuda")]

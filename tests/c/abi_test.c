@@ -390,12 +390,19 @@ static int bad_config(void) {
 }
 
 /* Run with VRAMPOOL_RECORD_TRACE set: three allocations on two streams, two frees, one
- * flush in the middle; what follows the flush reaches the file when the process exits. */
+ * flush in the middle; what follows the flush reaches the file when the process exits.
+ * Before them, paused from the start (before the pool exists), a block that the file must
+ * leave out whole, its free after the pause included. */
 static int trace(void) {
+    CHECK(vrampool_pause_traces(1) == 0);
+    void *hidden = vrampool_malloc(4096, 0, stream_of(3));
+    CHECK(hidden != NULL);
+    CHECK(vrampool_pause_traces(0) == 0);
     void *a = vrampool_malloc(1000, 0, stream_of(1));
     void *b = vrampool_malloc(3 << 20, 0, stream_of(2));
     CHECK(a != NULL && b != NULL);
     vrampool_free(a, 1000, 0, stream_of(1));
+    vrampool_free(hidden, 4096, 0, stream_of(3));
     CHECK(vrampool_flush_traces() == 0);
     vrampool_free(b, 3 << 20, 0, stream_of(2));
     CHECK(vrampool_malloc(77, 0, stream_of(1)) != NULL); /* live at exit */
