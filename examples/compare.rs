@@ -56,7 +56,7 @@ const WINDOW: usize = 64;
 const THREADS: [usize; 3] = [1, 4, 16];
 /// The best-fit baseline's range, one `cuMemAlloc` (train_gpt2 peaks at 5.5 GiB live).
 const BESTFIT_RANGE: u64 = 16 * GIB;
-const TRACES: [&str; 7] = [
+const TRACES: [&str; 10] = [
     "gpt2_decode",
     "resnet_varbatch",
     "train_gpt2",
@@ -64,11 +64,25 @@ const TRACES: [&str; 7] = [
     "llama_decode_server",
     "threads_streams",
     "pipeline_side_stream",
+    "gpt2_train_4streams",
+    "gpt2_generate_4streams",
+    "resnet50_4streams",
 ];
 /// Peak reserved ÷ peak live under PyTorch's caching allocator (benches/traces/README.md).
-/// None where the table has no figure: the row is left out.
-const PYTORCH_RATIO: [Option<f64>; 7] =
-    [Some(1.160), Some(1.493), Some(1.271), Some(1.977), Some(1.233), Some(2.517), Some(2.747)];
+/// None where the table has no figure (the traces vrampool recorded itself): the row is
+/// left out.
+const PYTORCH_RATIO: [Option<f64>; 10] = [
+    Some(1.160),
+    Some(1.493),
+    Some(1.271),
+    Some(1.977),
+    Some(1.233),
+    Some(2.517),
+    Some(2.747),
+    None,
+    None,
+    None,
+];
 
 /// Driver calls this program makes itself, beyond those `CudaDevice` checks: cudarc's loader
 /// panics on a missing symbol, so they are looked up before the first call.

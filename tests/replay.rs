@@ -1,6 +1,7 @@
 //! The memory figure on the shared traces (copied into `benches/traces/`): peak reserved ÷
 //! peak live, through the pool with its caches on, must be at most 1.10 and beat PyTorch's
-//! caching allocator on every trace (PyTorch's figures are from `benches/traces/README.md`).
+//! caching allocator on every trace (PyTorch's figures are from `benches/traces/README.md`);
+//! on the traces vrampool recorded itself, at most 1.10.
 
 use std::io::BufReader;
 use std::sync::Arc;
@@ -21,18 +22,22 @@ fn config() -> PoolConfig {
 }
 
 fn check(name: &str, pytorch: f64) {
+    check_below(name, pytorch.min(1.10), &format!("PyTorch {pytorch}"));
+}
+
+/// `name`'s figure must be at most `bar` (`what` names where it comes from).
+fn check_below(name: &str, bar: f64, what: &str) {
     let dev: Arc<dyn Device> = Arc::new(SimDevice::new(16 << 30));
     let r = replay(&trace(name), &dev, config()).unwrap();
     eprintln!(
-        "{name}: peak live {:.1} MiB, peak reserved {:.1} MiB, ratio {:.3} (PyTorch {pytorch}); T0 {:.3} T1 {:.3}",
+        "{name}: peak live {:.1} MiB, peak reserved {:.1} MiB, ratio {:.3} ({what}); T0 {:.3} T1 {:.3}",
         r.peak_live as f64 / 1048576.0,
         r.peak_reserved as f64 / 1048576.0,
         r.ratio(),
         r.stats.t0_hit_rate(),
         r.stats.t1_hit_rate()
     );
-    assert!(r.ratio() < pytorch, "{name}: {:.3} is not below PyTorch's {pytorch}", r.ratio());
-    assert!(r.ratio() <= 1.10, "{name}: {:.3} is above 1.10", r.ratio());
+    assert!(r.ratio() <= bar, "{name}: {:.3} is above {bar} ({what}, and at most 1.10)", r.ratio());
 }
 
 #[test]
@@ -68,6 +73,15 @@ fn threads_streams_beats_pytorch() {
 #[test]
 fn pipeline_side_stream_beats_pytorch() {
     check("pipeline_side_stream", 2.747);
+}
+
+/// The traces vrampool recorded itself under PyTorch (four threads, four streams; no
+/// PyTorch figure for the same events): the bar alone.
+#[test]
+fn traces_vrampool_recorded_under_pytorch_hold_the_bar() {
+    for name in ["gpt2_train_4streams", "gpt2_generate_4streams", "resnet50_4streams"] {
+        check_below(name, 1.10, "recorded by vrampool");
+    }
 }
 
 /// The pool's own count of what it mapped (what a replay on CUDA reports) is the device's:
