@@ -71,18 +71,8 @@ const TRACES: [&str; 10] = [
 /// Peak reserved ÷ peak live under PyTorch's caching allocator (benches/traces/README.md).
 /// None where the table has no figure (the traces vrampool recorded itself): the row is
 /// left out.
-const PYTORCH_RATIO: [Option<f64>; 10] = [
-    Some(1.160),
-    Some(1.493),
-    Some(1.271),
-    Some(1.977),
-    Some(1.233),
-    Some(2.517),
-    Some(2.747),
-    None,
-    None,
-    None,
-];
+const PYTORCH_RATIO: [Option<f64>; 10] =
+    [Some(1.160), Some(1.493), Some(1.271), Some(1.977), Some(1.233), Some(2.517), Some(2.747), None, None, None];
 
 /// Driver calls this program makes itself, beyond those `CudaDevice` checks: cudarc's loader
 /// panics on a missing symbol, so they are looked up before the first call.

@@ -131,10 +131,9 @@ int vrampool_set_oom_handler(int device, vrampool_oom_handler handler, void *use
 // `set_per_process_memory_fraction`, the pluggable allocator's memory-fraction hook):
 // allocations that would map past it run out of memory, memory mapped above it stays until
 // freed and trimmed. The limit is whole pages, rounded down. `fraction` is in (0, 1], and
-// at most the pool's ceiling, the limit it
-// was made with (`VRAMPOOL_MAX_RESERVED`, default 80% of the device). Returns 0, or a
-// `vrampool_status` with the error set (`VRAMPOOL_ERROR_INVALID_ARGUMENT` for a fraction out
-// of range).
+// at most the pool's ceiling, the limit it was made with (`VRAMPOOL_MAX_RESERVED`, default
+// 80% of the device). Returns 0, or a `vrampool_status` with the error set
+// (`VRAMPOOL_ERROR_INVALID_ARGUMENT` for a fraction out of range).
 int vrampool_set_memory_fraction(int device, double fraction);
 
 // Start device `device`'s peaks again from now (PyTorch's `reset_peak_memory_stats`): the

@@ -168,10 +168,7 @@ pub unsafe extern "C" fn vrampool_set_oom_handler(
     user_data: *mut c_void,
 ) -> c_int {
     guarded("vrampool_set_oom_handler", vrampool_status::VRAMPOOL_ERROR_INTERNAL as c_int, || {
-        let pool = usize::try_from(device)
-            .map_err(|_| Error::InvalidArgument(format!("device {device} is not an ordinal")))
-            .and_then(registry::pool);
-        let pool = match pool {
+        let pool = match pool_of(device) {
             Ok(p) => p,
             Err(e) => return AbiError::from_error("vrampool_set_oom_handler", Counter::FailedCalls, &e).report(),
         };
@@ -194,26 +191,25 @@ pub unsafe extern "C" fn vrampool_set_oom_handler(
 /// `set_per_process_memory_fraction`, the pluggable allocator's memory-fraction hook):
 /// allocations that would map past it run out of memory, memory mapped above it stays until
 /// freed and trimmed. The limit is whole pages, rounded down. `fraction` is in (0, 1], and
-/// at most the pool's ceiling, the limit it
-/// was made with (`VRAMPOOL_MAX_RESERVED`, default 80% of the device). Returns 0, or a
-/// `vrampool_status` with the error set (`VRAMPOOL_ERROR_INVALID_ARGUMENT` for a fraction out
-/// of range).
+/// at most the pool's ceiling, the limit it was made with (`VRAMPOOL_MAX_RESERVED`, default
+/// 80% of the device). Returns 0, or a `vrampool_status` with the error set
+/// (`VRAMPOOL_ERROR_INVALID_ARGUMENT` for a fraction out of range).
 #[no_mangle]
 pub extern "C" fn vrampool_set_memory_fraction(device: c_int, fraction: f64) -> c_int {
     guarded("vrampool_set_memory_fraction", vrampool_status::VRAMPOOL_ERROR_INTERNAL as c_int, || {
-        let set = usize::try_from(device)
-            .map_err(|_| Error::InvalidArgument(format!("device {device} is not an ordinal")))
-            .and_then(|d| {
-                if !(fraction > 0.0 && fraction <= 1.0) {
-                    return Err(Error::InvalidArgument(format!("memory fraction {fraction} is not in (0, 1]")));
-                }
-                let pool = registry::pool(d)?;
-                // Whole pages (memory is mapped by the page), rounded down: 80% of a device
-                // is then never a few bytes above the pool's default 80%.
-                let page = (pool.device().granularity() as u64).max(1);
-                let bytes = (pool.device().total_memory() as f64 * fraction) as u64 / page * page;
-                pool.set_max_reserved(bytes)
-            });
+        let valid = if fraction > 0.0 && fraction <= 1.0 {
+            Ok(fraction)
+        } else {
+            Err(Error::InvalidArgument(format!("memory fraction {fraction} is not in (0, 1]")))
+        };
+        // The fraction is checked first: a refused call makes no pool.
+        let set = valid.and_then(|_| pool_of(device)).and_then(|pool| {
+            // Whole pages (memory is mapped by the page), rounded down: 80% of a device is
+            // then never a few bytes above the pool's default 80%.
+            let page = (pool.device().granularity() as u64).max(1);
+            let bytes = (pool.device().total_memory() as f64 * fraction) as u64 / page * page;
+            pool.set_max_reserved(bytes)
+        });
         match set {
             Ok(()) => 0,
             Err(e) => AbiError::from_error("vrampool_set_memory_fraction", Counter::FailedCalls, &e).report(),
@@ -226,18 +222,20 @@ pub extern "C" fn vrampool_set_memory_fraction(device: c_int, fraction: f64) -> 
 /// this call. Returns 0, or a `vrampool_status` with the error set.
 #[no_mangle]
 pub extern "C" fn vrampool_reset_peak_stats(device: c_int) -> c_int {
-    guarded("vrampool_reset_peak_stats", vrampool_status::VRAMPOOL_ERROR_INTERNAL as c_int, || {
-        let pool = usize::try_from(device)
-            .map_err(|_| Error::InvalidArgument(format!("device {device} is not an ordinal")))
-            .and_then(registry::pool);
-        match pool {
-            Ok(p) => {
-                p.reset_peak_stats();
-                0
-            }
-            Err(e) => AbiError::from_error("vrampool_reset_peak_stats", Counter::FailedCalls, &e).report(),
+    guarded("vrampool_reset_peak_stats", vrampool_status::VRAMPOOL_ERROR_INTERNAL as c_int, || match pool_of(device) {
+        Ok(p) => {
+            p.reset_peak_stats();
+            0
         }
+        Err(e) => AbiError::from_error("vrampool_reset_peak_stats", Counter::FailedCalls, &e).report(),
     })
+}
+
+/// Device `device`'s pool (made now if it was not yet).
+fn pool_of(device: c_int) -> Result<crate::Pool, Error> {
+    let ordinal =
+        usize::try_from(device).map_err(|_| Error::InvalidArgument(format!("device {device} is not an ordinal")))?;
+    registry::pool(ordinal)
 }
 
 /// The `user_data` of an out-of-memory handler, carried to whichever thread runs it.

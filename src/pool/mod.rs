@@ -376,8 +376,9 @@ impl Pool {
     /// of its own, requests it can pre-empt) and returns `true` to have the allocation
     /// tried again from the start, `false` to let it fail with [`Error::OutOfMemory`].
     ///
-    /// - It runs on the allocating thread, with nothing of the pool held: it may free
-    ///   blocks and allocate, from this pool or another.
+    /// - It runs on the allocating thread, with nothing of the pool held (no lock, no page,
+    ///   no reference into the thread's caches): it may free blocks, allocate, flush the
+    ///   thread's caches and trim, this pool or another.
     /// - It is not called from inside itself: an allocation of the handler's own thread
     ///   that runs out of memory while the handler runs fails at once.
     /// - At most [`OOM_HANDLER_ROUNDS`] calls for one allocation; a handler that panics counts
