@@ -78,32 +78,30 @@ fn malloc_hit(m: &memo::Memo, size: usize, device: c_int, raw: u64) -> Option<*m
 #[inline(never)]
 fn malloc_miss(m: &memo::Memo, cache: &crate::StreamCache, size: usize) -> *mut c_void {
     let _relaxed = relaxed();
-    // What the block is published with, read before the pool is called: an out-of-memory
-    // handler inside it may call into this library and make the memo name another stream.
-    let (token_bits, token, owner, dev) = (m.token_bits.get(), m.token.get(), m.owner.get(), m.dev.get());
-    let named = (m.alloc_device.get(), m.raw.get(), m.rec.get());
-    let unmoved = |m: &memo::Memo| (m.alloc_device.get(), m.raw.get(), m.rec.get()) == named;
+    let at = Named::of(m);
     match cache.alloc(size) {
-        Ok(block) if unmoved(m) => {
-            // `size` packs (checked by the caller): the block goes to its slot as it is.
-            let (addr, len, size_class) = words::view(&block);
-            std::mem::forget(block);
-            let info = len | token_bits;
-            if !m.table().publish_at(addr, owner, Words { info, size: size_class, ext: false }) {
-                return outside_table(m, addr, len, size_class);
-            }
-            addr as *mut c_void
-        }
-        // The memo moved on meanwhile: publish through the device's record.
-        // SAFETY: `dev` is the device the memo named at the call, and devices live for ever.
-        Ok(block) => publish(unsafe { &*dev }, block, token, owner),
-        // SAFETY: as above.
-        Err(e) if unmoved(m) => malloc_failed(unsafe { &*dev }, m, size, e),
-        // The pool's own retries, the handler's included, are done: report.
-        Err(e) => {
-            AbiError::from_error("vrampool_malloc", Counter::FailedMallocs, &e).report();
-            std::ptr::null_mut()
-        }
+        Ok(block) => publish(at.dev, block, at.rec.token, at.owner),
+        Err(e) => malloc_failed(&at, m, size, e),
+    }
+}
+
+/// What the memo named when an allocation called the pool: read once, before the call,
+/// and used after it instead of the memo, which an out-of-memory handler inside the call
+/// may have made name another stream (its own calls into this library remember theirs).
+struct Named {
+    dev: &'static AbiDevice,
+    rec: &'static registry::StreamRec,
+    device: i64,
+    raw: u64,
+    owner: usize,
+}
+
+impl Named {
+    fn of(m: &memo::Memo) -> Named {
+        // SAFETY: callers hold a memo that names a device and a stream record (they checked
+        // `names` or took the memo's hot path), and both live for ever.
+        let (dev, rec) = unsafe { (&*m.dev.get(), &*m.rec.get()) };
+        Named { dev, rec, device: m.device.get(), raw: m.raw.get(), owner: m.owner.get() }
     }
 }
 
@@ -133,14 +131,13 @@ fn malloc_hit_cuda(m: &memo::Memo, size: usize, device: c_int, raw: u64) -> Opti
     if !m.names(device as i64, raw) || m.cache.get().is_null() {
         return None;
     }
-    // SAFETY: the memo names a device and a stream record, which live for ever.
-    let (dev, rec) = unsafe { (&*m.dev.get(), &*m.rec.get()) };
-    if registry::stream_key(dev.entry, raw).ok() != Some(m.key.get()) {
+    let at = Named::of(m);
+    if registry::stream_key(at.dev.entry, raw).ok() != Some(m.key.get()) {
         return None;
     }
-    Some(match dev.entry.pool.alloc(size, &rec.stream) {
-        Ok(block) => publish(dev, block, rec.token, m.owner.get()),
-        Err(e) => malloc_failed(dev, m, size, e),
+    Some(match at.dev.entry.pool.alloc(size, &at.rec.stream) {
+        Ok(block) => publish(at.dev, block, at.rec.token, at.owner),
+        Err(e) => malloc_failed(&at, m, size, e),
     })
 }
 
@@ -174,25 +171,22 @@ fn publish_ext(dev: &AbiDevice, block: Block, token: u32, owner: usize) -> *mut 
     }
 }
 
-/// The pool refused an allocation on the memo's stream: settle pending frees and try once
-/// more if it was out of memory, else report.
+/// The pool refused an allocation on `at`'s stream: settle pending frees and try once more
+/// if it was out of memory, else report.
 #[cold]
 #[inline(never)]
-fn malloc_failed(dev: &AbiDevice, m: &memo::Memo, size: usize, e: Error) -> *mut c_void {
-    // SAFETY: the memo names a stream record, which lives for ever.
-    let rec = unsafe { &*m.rec.get() };
+fn malloc_failed(at: &Named, m: &memo::Memo, size: usize, e: Error) -> *mut c_void {
     let retried = match e {
-        // The memo's stream was declared destroyed (`vrampool_stream_destroyed`) and its
-        // handle value is in use again: the slow path finds the new stream.
+        // The stream was declared destroyed (`vrampool_stream_destroyed`) and its handle
+        // value is in use again: the slow path finds the new stream.
         Error::StreamDestroyed => {
-            let raw = m.raw.get();
             m.forget();
-            return malloc_slow(size, m.device.get() as c_int, raw);
+            return malloc_slow(size, at.device as c_int, at.raw);
         }
-        e => retry_out_of_memory(dev, size, &rec.stream, e),
+        e => retry_out_of_memory(at.dev, size, &at.rec.stream, e),
     };
     match retried {
-        Ok(block) => publish(dev, block, rec.token, m.owner.get()),
+        Ok(block) => publish(at.dev, block, at.rec.token, at.owner),
         Err(e) => {
             AbiError::from_error("vrampool_malloc", Counter::FailedMallocs, &e).report();
             std::ptr::null_mut()

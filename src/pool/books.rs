@@ -31,7 +31,6 @@ impl PoolInner {
     pub(crate) fn reset_peaks(&self) {
         self.pages.reset_shown_peak();
         self.counters.peak_allocated.store(self.allocated_now(), Ordering::Release);
-        self.sample_peak();
     }
 
     pub(crate) fn sample_peak(&self) {

@@ -64,7 +64,7 @@ impl PoolInner {
 
     /// Place `size` bytes for `st`, climbing the ladder as far as it must; the time it
     /// takes is counted in `Stats::ladder_ns`. Rungs 10 and 11 are the caller's
-    /// ([`PoolInner::after_climb`]), where no cache is held: the handler may drop this
+    /// ([`PoolInner::with_handler`]), where no cache is held: the handler may drop this
     /// thread's caches.
     pub(crate) fn alloc_arena(
         &self,
@@ -76,35 +76,37 @@ impl PoolInner {
         Counters::timed(&self.counters.ladder_ns, || self.climb(size, requested, st, own))
     }
 
-    /// Rungs 10 and 11, for an allocation's whole cold path (`r`, its `round`-th attempt,
-    /// from 0): `None` when the out-of-memory handler freed memory and the allocation is to
-    /// be tried again from the start (round counted), else what the caller returns, with an
-    /// out-of-memory error counted in `Stats::ooms` and a success after the handler in
-    /// `Stats::oom_rescues`. Called where the allocation holds no reference into this
-    /// thread's caches: the handler runs user code, which may flush and drop them.
-    pub(crate) fn after_climb<T>(&self, r: Result<T>, round: &mut u64) -> Option<Result<T>> {
-        match r {
-            // 10.
-            Err(Error::OutOfMemory(oom)) if self.on_oom.retry(&oom, *round) => {
-                tracing::debug!(requested = oom.requested, round = *round, "rung 10: the handler freed memory");
-                *round += 1;
-                None
+    /// Rungs 10 and 11 around an allocation's whole cold path (`attempt`): while it runs
+    /// out of memory and the out-of-memory handler says it freed some, `attempt` runs again
+    /// from the start. An out-of-memory error returned is counted in `Stats::ooms`, a
+    /// success after the handler in `Stats::oom_rescues`. Each `attempt` must hold no
+    /// reference into this thread's caches once it returns: the handler runs user code,
+    /// which may flush and drop them, and the next attempt finds its cache again.
+    pub(crate) fn with_handler<T>(&self, mut attempt: impl FnMut() -> Result<T>) -> Result<T> {
+        let mut round = 0;
+        loop {
+            match attempt() {
+                // 10.
+                Err(Error::OutOfMemory(oom)) if self.on_oom.retry(&oom, round) => {
+                    tracing::debug!(requested = oom.requested, round, "rung 10: the handler freed memory");
+                    round += 1;
+                }
+                // 11.
+                Err(e @ Error::OutOfMemory(_)) => {
+                    Counters::bump(&self.counters.ooms, 1);
+                    return Err(e);
+                }
+                Ok(v) if round > 0 => {
+                    Counters::bump(&self.on_oom.rescues, 1);
+                    return Ok(v);
+                }
+                other => return other,
             }
-            // 11.
-            Err(e @ Error::OutOfMemory(_)) => {
-                Counters::bump(&self.counters.ooms, 1);
-                Some(Err(e))
-            }
-            Ok(v) if *round > 0 => {
-                Counters::bump(&self.on_oom.rescues, 1);
-                Some(Ok(v))
-            }
-            other => Some(other),
         }
     }
 
     /// The ladder's rungs, in order, up to rung 9; the error it ends with is rung 10's
-    /// question ([`PoolInner::after_climb`]).
+    /// question ([`PoolInner::with_handler`]).
     fn climb(&self, size: u64, requested: usize, st: &StreamState, own: Option<&local::ThreadCache>) -> Result<u64> {
         let _span = tracing::debug_span!("ladder", size, stream = st.stream.id()).entered();
         let ready = Mode::READY;
@@ -179,7 +181,7 @@ impl PoolInner {
             tracing::debug!(size, stream = st.stream.id(), "rung 9: a small block in a gap of the extents");
             return Ok(self.placed_by(9, a));
         }
-        // 10 and 11: the cold path's, once it holds no cache (`after_climb`).
+        // 10 and 11: the cold path's, once it holds no cache (`with_handler`).
         tracing::debug!("out of memory");
         let s = self.stats();
         Err(Error::OutOfMemory(Box::new(OutOfMemory {

@@ -152,13 +152,7 @@ impl ThreadCache {
     #[cold]
     #[inline(never)]
     fn alloc_cold_whole(&self, bytes: usize, class: Option<usize>, site: &'static Location) -> Result<Placed> {
-        let mut round = 0;
-        loop {
-            let r = self.alloc_cold(bytes, class, site);
-            if let Some(r) = self.pool.after_climb(r, &mut round) {
-                return r;
-            }
-        }
+        self.pool.with_handler(|| self.alloc_cold(bytes, class, site))
     }
 
     /// Everything but the hit path: the magazines again once any thief is gone, the
@@ -648,20 +642,14 @@ fn alloc_slow(
     class: Option<usize>,
     site: &'static Location,
 ) -> Result<Placed> {
-    let mut round = 0;
-    loop {
-        let r = match find(pool, stream.id(), || pool.stream_state(stream).ok()) {
-            // SAFETY: `find` names a cache a live entry of this thread holds, and nothing the
-            // allocation reaches removes entries (see `Memo`): the out-of-memory handler,
-            // which may, runs only once this reference is dead (below), and the next round
-            // finds the cache again.
-            Some(tc) => unsafe { &*tc }.alloc_cold(bytes, class, site),
-            None => pool.alloc_uncached(bytes, &pool.stream_state(stream)?, None, site),
-        };
-        if let Some(r) = pool.after_climb(r, &mut round) {
-            return r;
-        }
-    }
+    pool.with_handler(|| match find(pool, stream.id(), || pool.stream_state(stream).ok()) {
+        // SAFETY: `find` names a cache a live entry of this thread holds, and nothing the
+        // allocation reaches removes entries (see `Memo`): the out-of-memory handler, which
+        // may, runs only once this reference is dead (between attempts), and the next
+        // attempt finds the cache again.
+        Some(tc) => unsafe { &*tc }.alloc_cold(bytes, class, site),
+        None => pool.alloc_uncached(bytes, &pool.stream_state(stream)?, None, site),
+    })
 }
 
 /// This thread's cache for (`pool`, `stream`): the memo's, else found among the entries or

@@ -13,7 +13,7 @@
 //!   while another sets a new one finishes with the old one; nothing else is shared.
 //! - The pool holds no lock, no page and no reference into this thread's caches while the
 //!   handler runs: it is called from the top of an allocation's cold path, after the
-//!   ladder's climb has returned (`PoolInner::after_climb`), and the allocation starts again
+//!   ladder's climb has returned (`PoolInner::with_handler`), and the allocation starts again
 //!   from finding its cache. So the handler may free blocks of any pool, allocate, flush
 //!   this thread's caches and trim. The C ABI's list of the thread's caches keeps every
 //!   entry while a handler runs (`in_handler`): the allocation under the handler is
