@@ -30,6 +30,18 @@
 // changes meaning.
 #define VRAMPOOL_ABI_VERSION 1
 
+// What a stretch of memory in a [`vrampool_snapshot`] is.
+typedef enum vrampool_extent_state {
+  // A block the program holds: allocated and not yet freed.
+  VRAMPOOL_EXTENT_LIVE = 0,
+  // Freed and kept in a cache of its stream, reused at once by that stream.
+  VRAMPOOL_EXTENT_CACHED = 1,
+  // Freed after use on several streams (`vrampool_record_stream`), waiting for their work.
+  VRAMPOOL_EXTENT_RETIRING = 2,
+  // Mapped and in no block.
+  VRAMPOOL_EXTENT_FREE = 3,
+} vrampool_extent_state;
+
 // What a call returns (as an `int`), and the code of a thread's last error.
 typedef enum vrampool_status {
   // Success.
@@ -66,6 +78,32 @@ typedef enum vrampool_status {
 // device, and the `user_data` given with it; returns non-zero when it freed memory and the
 // allocation should be tried again, 0 to let it fail. It must not throw or `longjmp` out.
 typedef int (*vrampool_oom_handler)(size_t requested, int device, void *user_data);
+
+// One stretch of a device's memory, as [`vrampool_snapshot`] reports it.
+typedef struct vrampool_extent {
+  // First address of the segment the stretch lies in: a run of mapped pages.
+  uint64_t segment;
+  // Bytes of the segment.
+  uint64_t segment_bytes;
+  // First address of the stretch.
+  uint64_t addr;
+  // Its bytes; for a live block, all it holds (its size class).
+  uint64_t bytes;
+  // For a live block, the bytes asked for; 0 for live memory no known block starts in
+  // (a block allocated while the picture was taken, or one of the Rust API) and for the
+  // other states.
+  uint64_t requested;
+  // For a live block, the stream handle it was allocated with; for a cached stretch, its
+  // stream's; otherwise NULL (so is the default stream's handle).
+  void *stream;
+  // The CUDA graph pool it belongs to (the pair given to
+  // `vrampool_begin_allocate_to_pool`); (0, 0) for the device's own pool.
+  uint64_t pool_a;
+  // See `pool_a`.
+  uint64_t pool_b;
+  // What the stretch is.
+  enum vrampool_extent_state state;
+} vrampool_extent;
 
 #ifdef __cplusplus
 extern "C" {
@@ -197,6 +235,21 @@ int vrampool_pause_traces(int paused);
 // # Safety
 // `buf` is NULL with `len == 0`, or valid for writing `len` bytes.
 size_t vrampool_stats_json(int device, char *buf, size_t len);
+
+// Device `device`'s memory, stretch by stretch (PyTorch's `torch.cuda.memory_snapshot`):
+// every run of mapped pages (a segment), cut into extents that cover it end to end, lowest
+// address first, the device's own pool first, then each CUDA graph pool's. Live memory is
+// cut block by block, each with the bytes asked for and its stream. Writes the first `cap`
+// extents to `out` (NULL with `cap == 0`: only count), their number to `*count`, and returns
+// 0, or a `vrampool_status` with the error set. The pool is read while other threads go on:
+// call with `cap = 0` for the number, then with room for a few more, and again while
+// `*count > cap`; a block allocated or freed meanwhile may show in either state. A device
+// the library has not used has no extents. Pending frees are settled first.
+//
+// # Safety
+// `count` is valid for writing one `size_t`; `out` is NULL with `cap == 0`, or valid for
+// writing `cap` extents.
+int vrampool_snapshot(int device, struct vrampool_extent *out, size_t cap, size_t *count);
 
 // The message of this thread's last failed call, then cleared (as `dlerror`); NULL when
 // there is none. Successful calls do not set it. The string stays valid until this

@@ -288,6 +288,51 @@ def memory_statistics(backend) -> dict:
     return r
 
 
+def _block_at(segments: list, ptr: int):
+    """The block of `segments` (torch.cuda.memory_snapshot's list) starting at `ptr`."""
+    for seg in segments:
+        at = seg["address"]
+        for b in seg["blocks"]:
+            if at == ptr:
+                return b
+            at += b["size"]
+    return None
+
+
+def memory_snapshot(backend) -> dict:
+    """torch.cuda.memory_snapshot must show a live tensor as an allocated block at its
+    address with the bytes asked for, in segments their blocks cover end to end, and not once
+    it is freed; memory_viz's segment summary must read it. Under vrampool the C++ wrapper's
+    allocator answers from vrampool_snapshot (the public wrapper alone raises)."""
+    if backend.name == "vrampool" and backend.hooks != "cpp":
+        return {"skipped": "the snapshot comes through the C++ wrapper's allocator", "ok": True}
+    from torch.cuda import _memory_viz
+
+    size = (64 << 20) + 12345
+    torch.cuda.synchronize()
+    t = torch.empty(size, dtype=torch.uint8, device="cuda")
+    ptr = t.data_ptr()
+    segments = torch.cuda.memory_snapshot()
+    block = _block_at(segments, ptr)
+    r = {
+        "segments": len(segments),
+        "blocks": sum(len(s["blocks"]) for s in segments),
+        "covered": all(sum(b["size"] for b in s["blocks"]) == s["total_size"] for s in segments),
+        "block": block and {k: block[k] for k in ("size", "requested_size", "state")},
+    }
+    summary = _memory_viz.segsum(torch.cuda.memory._snapshot())
+    r["segsum_lines"] = len(summary.splitlines())
+    del t
+    torch.cuda.synchronize()
+    after = _block_at(torch.cuda.memory_snapshot(), ptr)
+    r["after_free"] = after and after["state"]
+    r["ok"] = (r["covered"] and block is not None and block["state"] == "active_allocated"
+               and block["requested_size"] == size and block["size"] >= size
+               and r["segsum_lines"] > 1
+               and (after is None or after["state"] != "active_allocated"))
+    return r
+
+
 def oom_probe() -> dict:
     """Run in a child with the public wrapper only: what a NULL from the alloc function
     becomes (the tensor is never touched)."""

@@ -37,7 +37,10 @@
 //    CUDAPluggableAllocator over (1) the current allocator, whose getDeviceStats and
 //    resetPeakStats answer from vrampool_stats_json and vrampool_reset_peak_stats, so that
 //    torch.cuda.memory_stats, memory_allocated, max_memory_reserved and
-//    reset_peak_memory_stats work (the base class raises for each).
+//    reset_peak_memory_stats work (the base class raises for each); and whose snapshot
+//    answers from vrampool_snapshot, so that torch.cuda.memory_snapshot and
+//    torch.cuda.memory._snapshot (what memory_viz draws) show vrampool's segments and
+//    blocks.
 // 3. Counters of what PyTorch asked for, and the time spent inside vrampool's malloc and
 //    free (a tick counter read around each call; off unless asked for). Each thread has
 //    its own slot, written only by it: no read-modify-write on the allocation path.
@@ -91,6 +94,24 @@ using PoolFn = int (*)(int, uint64_t, uint64_t);
 using MemoryFractionFn = int (*)(int, double);
 using ResetPeakFn = int (*)(int);
 
+// vrampool_extent of include/vrampool.h (this file does not include the header: it binds
+// with dlsym, and is built where only PyTorch's headers are known), field for field.
+struct Extent {
+  uint64_t segment;
+  uint64_t segment_bytes;
+  uint64_t addr;
+  uint64_t bytes;
+  uint64_t requested;
+  void* stream;
+  uint64_t pool_a;
+  uint64_t pool_b;
+  int32_t state;  // vrampool_extent_state
+};
+static_assert(sizeof(Extent) == 72, "vrampool_extent is 72 bytes");
+constexpr int32_t kExtentLive = 0;
+constexpr int32_t kExtentRetiring = 2;
+using SnapshotFn = int (*)(int, Extent*, size_t, size_t*);
+
 // vrampool_status values (include/vrampool.h) this file tells apart.
 constexpr int kInvalidFree = 2;
 constexpr int kOutOfMemory = 4;
@@ -117,6 +138,7 @@ struct Library {
   // has neither).
   MemoryFractionFn memory_fraction = nullptr;
   ResetPeakFn reset_peak = nullptr;
+  SnapshotFn snapshot = nullptr;  // optional (an older library has none)
 };
 Library lib;
 
@@ -426,6 +448,7 @@ void bind(const std::string& path) {
   }
   lib.memory_fraction = reinterpret_cast<MemoryFractionFn>(dlsym(h, "vrampool_set_memory_fraction"));
   lib.reset_peak = reinterpret_cast<ResetPeakFn>(dlsym(h, "vrampool_reset_peak_stats"));
+  lib.snapshot = reinterpret_cast<SnapshotFn>(dlsym(h, "vrampool_snapshot"));
   lib.malloc = symbol<MallocFn>(h, "vrampool_malloc");
   lib.handle = h;
 }
@@ -489,6 +512,73 @@ std::string stats_json(int device) {
   return buf;
 }
 
+// vrampool_snapshot of `device`, with room for every extent: the pool is read while other
+// threads go on, so the count asked first may have grown by the second call.
+std::vector<Extent> extents_of(int device) {
+  if (lib.snapshot == nullptr) {
+    throw_error(false, "vrampool_snapshot: not in this library (" + lib.path + ")");
+  }
+  size_t count = 0;
+  std::vector<Extent> out;
+  for (int tries = 0; tries < 16; tries++) {
+    out.resize(count + count / 8 + 16);
+    if (lib.snapshot(device, out.data(), out.size(), &count) != 0) {
+      throw_error(false, "vrampool_snapshot failed: " + last_error_or("no message"));
+    }
+    if (count <= out.size()) {
+      out.resize(count);
+      return out;
+    }
+  }
+  throw_error(false, "vrampool_snapshot: the pool kept growing while it was read");
+}
+
+// PyTorch's picture of its memory from vrampool's: a segment per run of mapped pages
+// (vrampool maps pages on demand into one reserved range, as PyTorch's expandable
+// segments do), a block per extent. Live blocks are allocated and active; a block freed
+// after use on other streams and waiting for their work is active, as PyTorch's blocks
+// waiting for their events are; cached and free memory is inactive. No allocation history
+// (device_traces) is kept: vrampool records no stack traces.
+c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot_of(c10::cuda::MempoolId_t mempool) {
+  c10::cuda::CUDACachingAllocator::SnapshotInfo info;
+  const bool every_pool = mempool.first == 0 && mempool.second == 0;
+  const int devices = static_cast<int>(c10::cuda::device_count());
+  info.device_traces.resize(devices);
+  for (int device = 0; device < devices; device++) {
+    uint64_t at = 0, a = 0, b = 0;
+    for (const Extent& e : extents_of(device)) {
+      if (!every_pool && (e.pool_a != mempool.first || e.pool_b != mempool.second)) {
+        continue;
+      }
+      if (info.segments.empty() || e.segment != at || e.pool_a != a || e.pool_b != b) {
+        at = e.segment, a = e.pool_a, b = e.pool_b;
+        c10::CachingDeviceAllocator::SegmentInfo seg;
+        seg.device = static_cast<c10::DeviceIndex>(device);
+        seg.address = e.segment;
+        seg.total_size = e.segment_bytes;
+        seg.is_large = e.segment_bytes > (2u << 20);
+        seg.is_expandable = true;
+        seg.owner_private_pool_id = {e.pool_a, e.pool_b};
+        info.segments.push_back(std::move(seg));
+      }
+      auto& seg = info.segments.back();
+      c10::CachingDeviceAllocator::BlockInfo block;
+      block.size = e.bytes;
+      block.requested_size = e.requested;
+      block.allocated = e.state == kExtentLive;
+      block.active = block.allocated || e.state == kExtentRetiring;
+      seg.requested_size += e.requested;
+      seg.allocated_size += block.allocated ? e.bytes : 0;
+      seg.active_size += block.active ? e.bytes : 0;
+      if (seg.stream == nullptr && block.allocated) {
+        seg.stream = e.stream;
+      }
+      seg.blocks.push_back(std::move(block));
+    }
+  }
+  return info;
+}
+
 // The pluggable allocator with PyTorch's statistics answered from vrampool's: without it,
 // torch.cuda.memory_stats, memory_allocated, max_memory_reserved and the rest raise
 // ("does not yet support getDeviceStats"), and training loops and serving frameworks call
@@ -526,6 +616,11 @@ struct StatsAllocator : torch::cuda::CUDAPluggableAllocator::CUDAPluggableAlloca
     if (lib.reset_peak == nullptr || lib.reset_peak(device) != 0) {
       throw_error(false, "vrampool_reset_peak_stats failed: " + last_error_or("not in this library"));
     }
+  }
+
+  c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot(
+      c10::cuda::MempoolId_t mempool, bool /*include_traces: none are kept*/) override {
+    return snapshot_of(mempool);
   }
 };
 

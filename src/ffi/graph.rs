@@ -300,6 +300,32 @@ fn unknown(device: usize, id: PoolId) -> Error {
     ))
 }
 
+/// A graph pool's memory for `vrampool_snapshot`: its id, its pool's picture, and its live
+/// blocks as (address, bytes held, bytes asked for, stream handle), lowest first.
+pub(crate) struct Picture {
+    pub(crate) id: PoolId,
+    pub(crate) snapshot: crate::Snapshot,
+    pub(crate) live: Vec<(u64, u64, u64, u64)>,
+}
+
+/// Device `device`'s graph pools not finished, each as a [`Picture`].
+pub(crate) fn pictures(device: usize) -> Vec<Picture> {
+    let pools = snapshot().load();
+    pools
+        .iter()
+        .filter(|p| p.device == device)
+        .map(|p| {
+            // Two reads, not one: a block allocated or freed between them shows as live
+            // memory of no known block, or as the free memory it is (blocks only cut live
+            // extents).
+            let mut live: Vec<_> =
+                p.state().live.iter().map(|(&a, h)| (a, h.block.capacity() as u64, h.len, h.raw)).collect();
+            live.sort_unstable();
+            Picture { id: p.id, snapshot: p.pool.snapshot(), live }
+        })
+        .collect()
+}
+
 /// Device `device`'s graph pools not finished, as (live blocks, bytes reserved) each: for
 /// the statistics.
 pub(crate) fn pools(device: usize) -> Vec<(usize, u64)> {

@@ -7,6 +7,7 @@
 //! int    vrampool_record_stream(void* ptr, void* stream);           /* 0, or an error code */
 //! int    vrampool_empty_cache(void);                                /* trim every pool */
 //! size_t vrampool_stats_json(int device, char* buf, size_t len);    /* bytes needed */
+//! int    vrampool_snapshot(int device, vrampool_extent* out, size_t cap, size_t* count);
 //! const char* vrampool_last_error(void);   /* this thread's last error, then cleared */
 //! ```
 //!
@@ -46,6 +47,7 @@ mod device;
 mod foreign;
 mod graph;
 mod memo;
+mod snapshot;
 mod stats;
 mod status;
 mod words;
@@ -419,6 +421,100 @@ pub unsafe extern "C" fn vrampool_stats_json(device: c_int, buf: *mut c_char, le
                 e.report();
                 0
             }
+        }
+    })
+}
+
+/// What a stretch of memory in a [`vrampool_snapshot`] is.
+#[repr(C)]
+#[allow(non_camel_case_types)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum vrampool_extent_state {
+    /// A block the program holds: allocated and not yet freed.
+    VRAMPOOL_EXTENT_LIVE = 0,
+    /// Freed and kept in a cache of its stream, reused at once by that stream.
+    VRAMPOOL_EXTENT_CACHED = 1,
+    /// Freed after use on several streams (`vrampool_record_stream`), waiting for their work.
+    VRAMPOOL_EXTENT_RETIRING = 2,
+    /// Mapped and in no block.
+    VRAMPOOL_EXTENT_FREE = 3,
+}
+
+/// One stretch of a device's memory, as [`vrampool_snapshot`] reports it.
+#[repr(C)]
+#[allow(non_camel_case_types)]
+#[derive(Debug, Clone, Copy)]
+pub struct vrampool_extent {
+    /// First address of the segment the stretch lies in: a run of mapped pages.
+    pub segment: u64,
+    /// Bytes of the segment.
+    pub segment_bytes: u64,
+    /// First address of the stretch.
+    pub addr: u64,
+    /// Its bytes; for a live block, all it holds (its size class).
+    pub bytes: u64,
+    /// For a live block, the bytes asked for; 0 for live memory no known block starts in
+    /// (a block allocated while the picture was taken, or one of the Rust API) and for the
+    /// other states.
+    pub requested: u64,
+    /// For a live block, the stream handle it was allocated with; for a cached stretch, its
+    /// stream's; otherwise NULL (so is the default stream's handle).
+    pub stream: *mut c_void,
+    /// The CUDA graph pool it belongs to (the pair given to
+    /// `vrampool_begin_allocate_to_pool`); (0, 0) for the device's own pool.
+    pub pool_a: u64,
+    /// See `pool_a`.
+    pub pool_b: u64,
+    /// What the stretch is.
+    pub state: vrampool_extent_state,
+}
+
+/// Device `device`'s memory, stretch by stretch (PyTorch's `torch.cuda.memory_snapshot`):
+/// every run of mapped pages (a segment), cut into extents that cover it end to end, lowest
+/// address first, the device's own pool first, then each CUDA graph pool's. Live memory is
+/// cut block by block, each with the bytes asked for and its stream. Writes the first `cap`
+/// extents to `out` (NULL with `cap == 0`: only count), their number to `*count`, and returns
+/// 0, or a `vrampool_status` with the error set. The pool is read while other threads go on:
+/// call with `cap = 0` for the number, then with room for a few more, and again while
+/// `*count > cap`; a block allocated or freed meanwhile may show in either state. A device
+/// the library has not used has no extents. Pending frees are settled first.
+///
+/// # Safety
+/// `count` is valid for writing one `size_t`; `out` is NULL with `cap == 0`, or valid for
+/// writing `cap` extents.
+#[no_mangle]
+pub unsafe extern "C" fn vrampool_snapshot(
+    device: c_int,
+    out: *mut vrampool_extent,
+    cap: size_t,
+    count: *mut size_t,
+) -> c_int {
+    guarded("vrampool_snapshot", vrampool_status::VRAMPOOL_ERROR_INTERNAL as c_int, || {
+        let _relaxed = relaxed();
+        let call = "vrampool_snapshot";
+        let invalid = |msg: String| {
+            AbiError::new(vrampool_status::VRAMPOOL_ERROR_INVALID_ARGUMENT, Counter::FailedCalls, msg).report()
+        };
+        if count.is_null() || (out.is_null() && cap != 0) {
+            return invalid(format!("{call}: a null count, or a null array of {cap} extents"));
+        }
+        let Ok(ordinal) = usize::try_from(device) else {
+            return invalid(format!("{call}: device {device} is not an ordinal"));
+        };
+        match snapshot::extents(ordinal) {
+            Ok(extents) => {
+                let n = extents.len().min(cap);
+                // SAFETY: `out` has room for `cap >= n` extents (non-null when `n > 0`, as
+                // `cap > 0` then) and `count` for one size_t, as the caller promised.
+                unsafe {
+                    if n > 0 {
+                        std::ptr::copy_nonoverlapping(extents.as_ptr(), out, n);
+                    }
+                    *count = extents.len();
+                }
+                0
+            }
+            Err(e) => AbiError::from_error(call, Counter::FailedCalls, &e).report(),
         }
     })
 }

@@ -498,14 +498,38 @@ impl Table {
         slot.tag.store(gen | live_tag(claim.owner(), words.ext), Ordering::Release);
     }
 
-    /// Every slot holding a live, claimed or busy block: `(index, words)`. Only exact when
-    /// nothing runs concurrently (tests, the fuzzer's checks).
+    /// Every slot holding a live, claimed or busy block: `(index, words)`, in index order.
+    /// Exact when nothing runs concurrently (tests, the fuzzer's checks); otherwise as
+    /// [`Table::peek`] reads each slot.
     pub fn live_slots(&self) -> Vec<(usize, Words)> {
-        self.slots.touched(|idx, slot| {
-            let tag = slot.tag.load(Ordering::Acquire);
-            (tag & STATE != FREE).then(|| (idx, read_words(slot, tag)))
-        })
+        self.slots.touched(|idx, slot| peek(slot).map(|w| (idx, w)))
     }
+
+    /// The words of slot `idx` if it holds a live, claimed or busy block, read without
+    /// holding the slot: for pictures (`vrampool_snapshot`), never for a free. A slot whose
+    /// tag changes while its words are read is read again, a few times, then taken as
+    /// holding none, so the words are of one publication as far as a reader without the
+    /// slot can tell; a block freed or allocated meanwhile may be in either state. Nothing
+    /// relies on it for safety: the words are only reported, and an `EXT` info word is
+    /// never dereferenced here.
+    pub fn peek(&self, idx: usize) -> Option<Words> {
+        peek(self.slot(idx))
+    }
+}
+
+fn peek(slot: &Slot) -> Option<Words> {
+    for _ in 0..4 {
+        let tag = slot.tag.load(Ordering::Acquire);
+        if tag & STATE == FREE {
+            return None;
+        }
+        let words = read_words(slot, tag);
+        fence(Ordering::Acquire);
+        if slot.tag.load(Ordering::Relaxed) == tag {
+            return Some(words);
+        }
+    }
+    None
 }
 
 /// The owner's store to a tag it loaded `live` inside its window. A plain store: in C11 it

@@ -63,6 +63,11 @@ impl Streams {
         self.snap.load().by_token.iter().rev().find(|r| r.raw == raw && !r.stream.is_destroyed()).cloned()
     }
 
+    /// The stream the pool knows as `id` (the newest, should a destroyed one share it).
+    pub(crate) fn by_id(&self, id: StreamId) -> Option<Arc<StreamRec>> {
+        self.snap.load().by_token.iter().rev().find(|r| r.id == id).cloned()
+    }
+
     /// The stream of `token`.
     pub(crate) fn by_token(&self, token: u32) -> Option<Arc<StreamRec>> {
         let i = (token as usize).checked_sub(1)?;

@@ -1,6 +1,6 @@
 /* The C ABI from C, on the simulator: every entry point, every bad input, threads with
  * their own streams freeing each other's blocks, record_stream, the statistics JSON, the
- * out-of-memory handler, the memory fraction and the peaks' reset.
+ * out-of-memory handler, the memory fraction and the peaks' reset, and the snapshot.
  *
  * Built and run by tests/c_abi.rs (cc -std=c11 -Wall -Wextra -Werror -pthread against
  * include/vrampool.h and libvrampool.so) with VRAMPOOL_DEVICE=sim. Exits 0 when every check
@@ -495,6 +495,107 @@ static void memory_fraction(void) {
     CHECK_ERROR(VRAMPOOL_ERROR_INVALID_ARGUMENT);
 }
 
+/* A snapshot taken with room for every extent (asked twice, as the header says). */
+static vrampool_extent *take_snapshot(int device, size_t *n) {
+    size_t count = 0;
+    CHECK(vrampool_snapshot(device, NULL, 0, &count) == 0);
+    for (int tries = 0; tries < 8; tries++) {
+        size_t cap = count + 16;
+        vrampool_extent *out = calloc(cap, sizeof *out);
+        CHECK(vrampool_snapshot(device, out, cap, &count) == 0);
+        if (count <= cap) {
+            *n = count;
+            return out;
+        }
+        free(out);
+    }
+    CHECK(!"the snapshot kept growing");
+    *n = 0;
+    return NULL;
+}
+
+/* The extent that starts at `p`, or NULL. */
+static const vrampool_extent *extent_at(const vrampool_extent *e, size_t n, const void *p) {
+    for (size_t i = 0; i < n; i++) {
+        if (e[i].addr == (uint64_t)(uintptr_t)p) {
+            return &e[i];
+        }
+    }
+    return NULL;
+}
+
+/* Each segment is covered end to end by its extents, in address order. */
+static void check_coverage(const vrampool_extent *e, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        int first = i == 0 || e[i].segment != e[i - 1].segment || e[i].pool_a != e[i - 1].pool_a ||
+                    e[i].pool_b != e[i - 1].pool_b;
+        CHECK(e[i].bytes > 0);
+        CHECK(e[i].addr == (first ? e[i].segment : e[i - 1].addr + e[i - 1].bytes));
+        int last = i + 1 == n || e[i + 1].segment != e[i].segment || e[i + 1].pool_a != e[i].pool_a ||
+                   e[i + 1].pool_b != e[i].pool_b;
+        if (last) {
+            CHECK(e[i].addr + e[i].bytes == e[i].segment + e[i].segment_bytes);
+        }
+    }
+}
+
+/* The snapshot: every live block with its bytes asked for and its stream, memory covered
+ * end to end, a freed block no longer live, a graph pool's block under its pool's id, and
+ * bad arguments refused. */
+static void snapshot(void) {
+    void *s1 = stream_of(50), *s2 = stream_of(51);
+    const ssize_t sizes[3] = {1000, 3 << 20, 256};
+    void *streams[3] = {s1, s2, NULL};
+    void *p[3];
+    for (int i = 0; i < 3; i++) {
+        p[i] = vrampool_malloc(sizes[i], 0, streams[i]);
+        CHECK(p[i] != NULL);
+    }
+    CHECK(vrampool_begin_allocate_to_pool(0, 6, 0) == 0);
+    void *g = vrampool_malloc_to_pool(5000, 0, s1, 6, 0);
+    CHECK(g != NULL);
+    size_t n = 0;
+    vrampool_extent *e = take_snapshot(0, &n);
+    check_coverage(e, n);
+    for (int i = 0; i < 3; i++) {
+        const vrampool_extent *x = extent_at(e, n, p[i]);
+        CHECK(x != NULL && x->state == VRAMPOOL_EXTENT_LIVE && x->requested == (uint64_t)sizes[i] &&
+              x->bytes >= (uint64_t)sizes[i] && x->stream == streams[i] && x->pool_a == 0);
+    }
+    const vrampool_extent *xg = extent_at(e, n, g);
+    CHECK(xg != NULL && xg->state == VRAMPOOL_EXTENT_LIVE && xg->requested == 5000 && xg->pool_a == 6 &&
+          xg->pool_b == 0);
+    /* A short array gets the first extents and the whole count. */
+    if (n > 1) {
+        vrampool_extent one[1];
+        size_t count = 0;
+        CHECK(vrampool_snapshot(0, one, 1, &count) == 0 && count >= n - 1);
+        CHECK(one[0].addr == e[0].addr);
+    }
+    free(e);
+    vrampool_free(p[0], sizes[0], 0, s1);
+    e = take_snapshot(0, &n);
+    check_coverage(e, n);
+    const vrampool_extent *x = extent_at(e, n, p[0]);
+    CHECK(x == NULL || x->state != VRAMPOOL_EXTENT_LIVE || x->requested == 0);
+    free(e);
+    for (int i = 1; i < 3; i++) {
+        vrampool_free(p[i], sizes[i], 0, streams[i]);
+    }
+    vrampool_free(g, 5000, 0, s1);
+    CHECK(vrampool_end_allocate_to_pool(0, 6, 0) == 0);
+    CHECK(vrampool_release_pool(0, 6, 0) == 0);
+    CHECK_NO_ERROR();
+    size_t count = 7;
+    CHECK(vrampool_snapshot(3, NULL, 0, &count) == 0 && count == 0); /* never used */
+    CHECK(vrampool_snapshot(0, NULL, 0, NULL) == VRAMPOOL_ERROR_INVALID_ARGUMENT);
+    CHECK_ERROR(VRAMPOOL_ERROR_INVALID_ARGUMENT);
+    CHECK(vrampool_snapshot(0, NULL, 4, &count) == VRAMPOOL_ERROR_INVALID_ARGUMENT);
+    CHECK_ERROR(VRAMPOOL_ERROR_INVALID_ARGUMENT);
+    CHECK(vrampool_snapshot(-1, NULL, 0, &count) == VRAMPOOL_ERROR_INVALID_ARGUMENT);
+    CHECK_ERROR(VRAMPOOL_ERROR_INVALID_ARGUMENT);
+}
+
 int main(int argc, char **argv) {
     if (argc > 1 && strcmp(argv[1], "bad-config") == 0) {
         return bad_config();
@@ -514,6 +615,7 @@ int main(int argc, char **argv) {
     graph_pool();
     oom_handler();
     memory_fraction();
+    snapshot();
     CHECK(vrampool_flush_traces() == 0); /* nothing records: nothing to do */
     CHECK(stat(0, "allocated_bytes") == 0);
     CHECK(vrampool_empty_cache() == 0);
