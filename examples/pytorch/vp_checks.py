@@ -263,7 +263,8 @@ def memory_statistics(backend) -> dict:
     """PyTorch's memory statistics must follow a tensor: memory_allocated grows by at least
     its size while it lives, max_memory_allocated and max_memory_reserved cover it, and after
     it is freed, the cache emptied and the peaks reset, max_memory_reserved is below the
-    peak it had. Under vrampool these are answered by the C++ wrapper's allocator from
+    peak it had; after reset_accumulated_memory_stats the allocation counts start from zero;
+    memory_summary reads them. Under vrampool these are answered by the C++ wrapper's allocator from
     vrampool's own figures (the public wrapper alone raises)."""
     if backend.name == "vrampool" and backend.hooks != "cpp":
         return {"skipped": "the statistics come through the C++ wrapper's allocator", "ok": True}
@@ -283,8 +284,20 @@ def memory_statistics(backend) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     r["max_reserved_after_reset"] = torch.cuda.max_memory_reserved()
+    # The accumulated counts start again: none after the reset, one allocation and one free
+    # of a tensor after it.
+    torch.cuda.reset_accumulated_memory_stats()
+    counts = lambda: {k: torch.cuda.memory_stats()[f"allocation.all.{k}"] for k in ("allocated", "freed")}
+    r["counts_after_reset"] = counts()
+    t = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    del t
+    r["counts_after_a_tensor"] = counts()
+    r["summary_lines"] = len(torch.cuda.memory_summary().splitlines())
     r["ok"] = (r["allocated_growth"] >= size and r["max_allocated"] >= base + size
-               and r["max_reserved"] >= size and r["max_reserved_after_reset"] < r["max_reserved"])
+               and r["max_reserved"] >= size and r["max_reserved_after_reset"] < r["max_reserved"]
+               and r["counts_after_reset"] == {"allocated": 0, "freed": 0}
+               and r["counts_after_a_tensor"] == {"allocated": 1, "freed": 1}
+               and r["summary_lines"] > 10)
     return r
 
 

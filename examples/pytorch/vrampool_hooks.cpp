@@ -36,8 +36,9 @@
 // 2c. PyTorch's memory statistics: install() makes a subclass of the C++
 //    CUDAPluggableAllocator over (1) the current allocator, whose getDeviceStats and
 //    resetPeakStats answer from vrampool_stats_json and vrampool_reset_peak_stats, so that
-//    torch.cuda.memory_stats, memory_allocated, max_memory_reserved and
-//    reset_peak_memory_stats work (the base class raises for each); and whose snapshot
+//    torch.cuda.memory_stats, memory_allocated, max_memory_reserved,
+//    reset_peak_memory_stats and reset_accumulated_memory_stats work (the base class raises
+//    for each); and whose snapshot
 //    answers from vrampool_snapshot, so that torch.cuda.memory_snapshot and
 //    torch.cuda.memory._snapshot (what memory_viz draws) show vrampool's segments and
 //    blocks.
@@ -63,6 +64,7 @@
 #include <cstdio>
 #include <cstdint>
 #include <cstdlib>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -585,18 +587,36 @@ c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot_of(c10::cuda::MempoolId_t
 // them to log and to size their caches. Only the aggregate ("all") entries are filled:
 // vrampool has no small and large pools in PyTorch's sense. The peak of allocated bytes is
 // vrampool's sample (taken when it maps and whenever its figures are read), the rest exact.
+// vrampool's running totals that PyTorch counts as "accumulated" (allocations and frees,
+// bytes mapped and unmapped, out-of-memory errors and retries).
+struct Totals {
+  int64_t allocs = 0, frees = 0, mapped = 0, unmapped = 0, ooms = 0, retries = 0;
+};
+
+Totals totals_of(const std::string& j) {
+  Totals t;
+  t.allocs = stat_of(j, "allocs");
+  t.frees = t.allocs - stat_of(j, "live_blocks");
+  t.mapped = stat_of(j, "mapped_bytes");
+  t.unmapped = stat_of(j, "unmapped_bytes");
+  t.ooms = stat_of(j, "ooms");
+  t.retries = stat_of(j, "oom_handler_calls");
+  return t;
+}
+
 struct StatsAllocator : torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
   using CUDAPluggableAllocator::CUDAPluggableAllocator;
 
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     const std::string j = stats_json(device);
+    const Totals now = totals_of(j), base = baseline(device);
     c10::CachingDeviceAllocator::DeviceStats d;
     const auto all = static_cast<size_t>(c10::CachingDeviceAllocator::StatType::AGGREGATE);
     auto& blocks = d.allocation[all];
     blocks.current = stat_of(j, "live_blocks");
     blocks.peak = blocks.current;
-    blocks.allocated = stat_of(j, "allocs");
-    blocks.freed = blocks.allocated - blocks.current;
+    blocks.allocated = now.allocs - base.allocs;
+    blocks.freed = now.frees - base.frees;
     d.active[all] = blocks;
     auto& allocated = d.allocated_bytes[all];
     allocated.current = stat_of(j, "allocated_bytes");
@@ -605,11 +625,20 @@ struct StatsAllocator : torch::cuda::CUDAPluggableAllocator::CUDAPluggableAlloca
     auto& reserved = d.reserved_bytes[all];
     reserved.current = stat_of(j, "reserved_bytes");
     reserved.peak = stat_of(j, "peak_reserved_bytes");
-    reserved.allocated = stat_of(j, "mapped_bytes");
-    reserved.freed = stat_of(j, "unmapped_bytes");
-    d.num_ooms = stat_of(j, "ooms");
-    d.num_alloc_retries = stat_of(j, "oom_handler_calls");
+    reserved.allocated = now.mapped - base.mapped;
+    reserved.freed = now.unmapped - base.unmapped;
+    d.num_ooms = now.ooms - base.ooms;
+    d.num_alloc_retries = now.retries - base.retries;
     return d;
+  }
+
+  // torch.cuda.reset_accumulated_memory_stats: PyTorch's accumulated counts start again from
+  // here. vrampool's own totals never restart, so their values now become the baseline the
+  // counts are read from.
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    const Totals now = totals_of(stats_json(device));
+    std::lock_guard<std::mutex> g(baselines_lock);
+    baselines[device] = now;
   }
 
   void resetPeakStats(c10::DeviceIndex device) override {
@@ -622,6 +651,16 @@ struct StatsAllocator : torch::cuda::CUDAPluggableAllocator::CUDAPluggableAlloca
       c10::cuda::MempoolId_t mempool, bool /*include_traces: none are kept*/) override {
     return snapshot_of(mempool);
   }
+
+ private:
+  Totals baseline(c10::DeviceIndex device) {
+    std::lock_guard<std::mutex> g(baselines_lock);
+    const auto it = baselines.find(device);
+    return it == baselines.end() ? Totals{} : it->second;
+  }
+
+  std::mutex baselines_lock;
+  std::map<c10::DeviceIndex, Totals> baselines;
 };
 
 // Make a StatsAllocator over this module's alloc and free functions PyTorch's CUDA
