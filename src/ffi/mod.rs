@@ -477,7 +477,8 @@ pub struct vrampool_extent {
 /// 0, or a `vrampool_status` with the error set. The pool is read while other threads go on:
 /// call with `cap = 0` for the number, then with room for a few more, and again while
 /// `*count > cap`; a block allocated or freed meanwhile may show in either state. A device
-/// the library has not used has no extents. Pending frees are settled first.
+/// no C call has allocated on yet has no extents (none is made for it). Pending frees are
+/// settled first.
 ///
 /// # Safety
 /// `count` is valid for writing one `size_t`; `out` is NULL with `cap == 0`, or valid for
