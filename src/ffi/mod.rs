@@ -453,12 +453,14 @@ pub struct vrampool_extent {
     pub addr: u64,
     /// Its bytes; for a live block, all it holds (its size class).
     pub bytes: u64,
-    /// For a live block, the bytes asked for; 0 for live memory no known block starts in
-    /// (a block allocated while the picture was taken, or one of the Rust API) and for the
-    /// other states.
+    /// For a live block, the bytes asked for (its whole capacity for a block given to
+    /// `vrampool_record_stream`, whose record a racing free may drop, so it is not read);
+    /// 0 for live memory no known block starts in (a block allocated while the picture was
+    /// taken, or one of the Rust API) and for the other states.
     pub requested: u64,
-    /// For a live block, the stream handle it was allocated with; for a cached stretch, its
-    /// stream's; otherwise NULL (so is the default stream's handle).
+    /// For a live block, the stream handle it was allocated with (NULL for a block given to
+    /// `vrampool_record_stream`, as `requested` says); for a cached stretch, its stream's;
+    /// otherwise NULL (so is the default stream's handle).
     pub stream: *mut c_void,
     /// The CUDA graph pool it belongs to (the pair given to
     /// `vrampool_begin_allocate_to_pool`); (0, 0) for the device's own pool.

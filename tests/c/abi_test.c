@@ -562,6 +562,15 @@ static void snapshot(void) {
         CHECK(x != NULL && x->state == VRAMPOOL_EXTENT_LIVE && x->requested == (uint64_t)sizes[i] &&
               x->bytes >= (uint64_t)sizes[i] && x->stream == streams[i] && x->pool_a == 0);
     }
+    free(e);
+    /* A block given to record_stream is kept in a record the picture does not read: its
+     * capacity stands for its size, with no stream. */
+    CHECK(vrampool_record_stream(p[1], s1) == 0);
+    e = take_snapshot(0, &n);
+    check_coverage(e, n);
+    const vrampool_extent *xr = extent_at(e, n, p[1]);
+    CHECK(xr != NULL && xr->state == VRAMPOOL_EXTENT_LIVE && xr->requested == xr->bytes &&
+          xr->bytes >= (uint64_t)sizes[1] && xr->stream == NULL);
     const vrampool_extent *xg = extent_at(e, n, g);
     CHECK(xg != NULL && xg->state == VRAMPOOL_EXTENT_LIVE && xg->requested == 5000 && xg->pool_a == 6 &&
           xg->pool_b == 0);

@@ -38,6 +38,19 @@ OOM_HANDLER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_size_t, ctypes.c_int, vp)
 lib.vrampool_set_oom_handler.argtypes = [ctypes.c_int, OOM_HANDLER, vp]
 lib.vrampool_set_oom_handler.restype = ctypes.c_int
 
+
+
+class Extent(ctypes.Structure):
+    """vrampool_extent."""
+
+    _fields_ = [(name, ctypes.c_uint64) for name in ("segment", "segment_bytes", "addr", "bytes", "requested")] + [
+        ("stream", vp), ("pool_a", ctypes.c_uint64), ("pool_b", ctypes.c_uint64), ("state", ctypes.c_int)]
+
+
+lib.vrampool_snapshot.argtypes = [ctypes.c_int, ctypes.POINTER(Extent), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
+lib.vrampool_snapshot.restype = ctypes.c_int
+LIVE = 0
+
 INVALID_ARGUMENT, INVALID_FREE, DOUBLE_FREE, OUT_OF_MEMORY = 1, 2, 3, 4
 
 
@@ -58,6 +71,32 @@ def expect_error(code):
 
 def stream(i):
     return vp(0x2000 + i)
+
+
+def snapshot(device=0):
+    """vrampool_snapshot's extents: asked for the count, then with room for a few more."""
+    count = ctypes.c_size_t(0)
+    assert lib.vrampool_snapshot(device, None, 0, ctypes.byref(count)) == 0, lib.vrampool_last_error()
+    while True:
+        room = count.value + 16
+        out = (Extent * room)()
+        assert lib.vrampool_snapshot(device, out, room, ctypes.byref(count)) == 0, lib.vrampool_last_error()
+        if count.value <= room:
+            return out[:count.value]
+
+
+def live_blocks_in_snapshot():
+    """Each live block shows as one live extent with its size and stream, until freed."""
+    sizes = [300, 70_000, 5 << 20]
+    blocks = [(lib.vrampool_malloc(n, 0, stream(20 + i)), n, i) for i, n in enumerate(sizes)]
+    shown = {e.addr: e for e in snapshot()}
+    for p, n, i in blocks:
+        e = shown.get(p)
+        assert e is not None and e.state == LIVE and e.requested == n and e.bytes >= n, (p, n, e)
+        assert e.stream == stream(20 + i).value and (e.pool_a, e.pool_b) == (0, 0)
+    for p, n, i in blocks:
+        lib.vrampool_free(p, n, 0, stream(20 + i))
+    assert not any(e.state == LIVE and e.addr in {p for p, _, _ in blocks} and e.requested for e in snapshot())
 
 
 def out_of_memory_handler():
@@ -148,6 +187,7 @@ def main():
         t.join()
 
     out_of_memory_handler()
+    live_blocks_in_snapshot()
 
     s = stats()
     assert s["allocated_bytes"] == 0, s
