@@ -14,11 +14,12 @@
 //!
 //! **Not a stop of the world.** Pending frees of other threads are settled first, then the
 //! pool's picture and the table are read, each without a lock, while other threads go on:
-//! a block allocated or freed meanwhile may show in either state (exact on a quiet
-//! device, as the pool's picture is). A table slot is read as one publication, and a block
-//! kept whole in a boxed record (one given to `vrampool_record_stream`) is reported from
-//! its slot's words alone, its record never read: a free racing the read may drop it. Such
-//! a block shows its capacity as its bytes asked for and no stream.
+//! a block allocated or freed meanwhile may show in either state, and a slot published
+//! again while it is read may show words of both blocks, cut to the live memory the picture
+//! saw (`Table::peek`; exact on a quiet device, as the pool's picture is). A block kept
+//! whole in a boxed record (one given to `vrampool_record_stream`) is reported from its
+//! slot's words alone, its record never read: a free racing the read may drop it. Such a
+//! block shows its capacity as its bytes asked for and no stream.
 
 use std::ffi::c_void;
 
@@ -81,7 +82,7 @@ fn table_blocks(dev: &device::AbiDevice, snapshot: &Snapshot) -> Vec<Live> {
                 (len, streams.by_token(token).map_or(0, |r| r.raw))
             };
             out.push((dev.table.address(idx), held, asked, raw));
-            idx += (held / GRAIN).max(1) as usize;
+            idx = idx.saturating_add((held / GRAIN).max(1) as usize);
         }
     }
     out
@@ -138,7 +139,7 @@ fn picture(
                 if addr > at {
                     out.push(vrampool_extent { addr: at, bytes: addr - at, requested: 0, ..whole });
                 }
-                let stop = (addr + held.max(1)).min(end);
+                let stop = addr.saturating_add(held.max(1)).min(end);
                 out.push(vrampool_extent { addr, bytes: stop - addr, requested: asked, stream: handle(raw), ..whole });
                 at = stop;
             }

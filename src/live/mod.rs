@@ -508,10 +508,12 @@ impl Table {
     /// The words of slot `idx` if it holds a live, claimed or busy block, read without
     /// holding the slot: for pictures (`vrampool_snapshot`), never for a free. A slot whose
     /// tag changes while its words are read is read again, a few times, then taken as
-    /// holding none, so the words are of one publication as far as a reader without the
-    /// slot can tell; a block freed or allocated meanwhile may be in either state. Nothing
-    /// relies on it for safety: the words are only reported, and an `EXT` info word is
-    /// never dereferenced here.
+    /// holding none. That catches a slot freed or published meanwhile as far as the tag
+    /// shows it, not always: the words are written with plain stores that nothing orders
+    /// for a reader holding nothing, so on a slot published again during the read they may
+    /// mix two blocks. Nothing relies on them: they are only reported, the picture cuts them
+    /// to the live memory it saw, and an `EXT` info word is never dereferenced here. Making
+    /// them exact would cost the allocation path a fence, for a debugging picture.
     pub fn peek(&self, idx: usize) -> Option<Words> {
         peek(self.slot(idx))
     }
