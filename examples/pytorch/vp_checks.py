@@ -346,6 +346,51 @@ def memory_snapshot(backend) -> dict:
     return r
 
 
+def _marked_allocation(nbytes: int) -> torch.Tensor:
+    """A tensor allocated under a name to find in its stack."""
+    return torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+
+def memory_history(backend) -> dict:
+    """With torch.cuda.memory._record_memory_history on, the snapshot must carry the Python
+    stack that allocated a live tensor (this function's helper among its frames) and the
+    recent allocations and frees, which memory_viz's trace view draws; off again, no new
+    event is kept. Under vrampool the C++ wrapper's allocator keeps both (the public wrapper
+    alone raises)."""
+    if backend.name == "vrampool" and backend.hooks != "cpp":
+        return {"skipped": "the history comes through the C++ wrapper's allocator", "ok": True}
+    from torch.cuda import _memory_viz
+
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(context="all", stacks="python", max_entries=10_000)
+    try:
+        t = _marked_allocation((3 << 20) + 5)
+        u = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        u_ptr = u.data_ptr()
+        del u
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    block = _block_at(snap["segments"], t.data_ptr())
+    names = [f.get("name") for f in (block or {}).get("frames", [])]
+    events = [e for device in snap["device_traces"] for e in device]
+    seen = lambda action, ptr: any(e["action"] == action and e["addr"] == ptr for e in events)
+    r = {
+        "stack": names[:6],
+        "events": len(events),
+        "alloc_seen": seen("alloc", t.data_ptr()),
+        "free_seen": seen("free_requested", u_ptr) and seen("free_completed", u_ptr),
+        "trace_plot_bytes": len(_memory_viz.trace_plot(snap)),
+    }
+    after = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    later = [e for device in torch.cuda.memory._snapshot()["device_traces"] for e in device]
+    r["kept_after_off"] = any(e["addr"] == after.data_ptr() and e["action"] == "alloc" for e in later)
+    del t, after
+    r["ok"] = ("_marked_allocation" in names and r["alloc_seen"] and r["free_seen"]
+               and r["trace_plot_bytes"] > 0 and not r["kept_after_off"])
+    return r
+
+
 def oom_probe() -> dict:
     """Run in a child with the public wrapper only: what a NULL from the alloc function
     becomes (the tensor is never touched)."""

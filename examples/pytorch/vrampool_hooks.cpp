@@ -41,7 +41,9 @@
 //    for each); and whose snapshot
 //    answers from vrampool_snapshot, so that torch.cuda.memory_snapshot and
 //    torch.cuda.memory._snapshot (what memory_viz draws) show vrampool's segments and
-//    blocks.
+//    blocks; and whose recordHistory keeps, while torch.cuda.memory._record_memory_history
+//    is on, each live block's allocation stack and a ring of recent allocations and frees,
+//    which the snapshot carries as PyTorch's own allocator does.
 // 3. Counters of what PyTorch asked for, and the time spent inside vrampool's malloc and
 //    free (a tick counter read around each call; off unless asked for). Each thread has
 //    its own slot, written only by it: no read-modify-write on the allocation path.
@@ -64,8 +66,10 @@
 #include <cstdio>
 #include <cstdint>
 #include <cstdlib>
+#include <deque>
 #include <map>
 #include <memory>
+#include <unordered_map>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -370,6 +374,105 @@ void release_pool_hook(int device, c10::cuda::MempoolId_t id) {
   }
 }
 
+// ---- allocation history (torch.cuda.memory._record_memory_history) ------------------------
+
+// While history is on, PyTorch's own allocator keeps the stack that allocated each live
+// block (memory_viz shows it beside the block) and a ring of recent allocations and frees
+// (memory_viz's trace view). vrampool has neither: the stacks are PyTorch's (its
+// context_recorder gathers Python and C++ frames), so they are kept here, by pointer, and
+// handed to the snapshot. Off, it costs the hooks one relaxed load.
+using c10::CachingDeviceAllocator::TraceEntry;
+using RecordContext = c10::cuda::CUDACachingAllocator::RecordContext;
+
+struct History {
+  std::atomic<bool> on{false};
+  std::mutex lock;  // everything below
+  c10::cuda::CUDACachingAllocator::CreateContextFn recorder = nullptr;
+  RecordContext when = RecordContext::NEVER;
+  size_t max_entries = 0;
+  std::vector<TraceEntry::Action> skipped;
+  std::unordered_map<void*, std::shared_ptr<c10::GatheredContext>> stacks;  // live blocks'
+  std::map<int, std::deque<TraceEntry>> traces;  // per device, oldest first
+};
+History history;
+
+// Append to `device`'s ring (the caller holds the lock).
+void trace_event(TraceEntry::Action action, int device, void* ptr, size_t size, void* stream,
+                 std::shared_ptr<c10::GatheredContext> context) {
+  if (history.max_entries == 0 ||
+      std::find(history.skipped.begin(), history.skipped.end(), action) != history.skipped.end()) {
+    return;
+  }
+  auto& ring = history.traces[device];
+  ring.emplace_back(action, static_cast<c10::DeviceIndex>(device), reinterpret_cast<size_t>(ptr), size, stream,
+                    c10::cuda::MempoolId_t{0, 0}, c10::getApproximateTime(), std::move(context));
+  while (ring.size() > history.max_entries) {
+    ring.pop_front();
+  }
+}
+
+// The recorder's stack, if `at_least` is asked for: gathered outside the lock (it may take
+// the GIL, and another thread holding it may be waiting for this lock).
+std::shared_ptr<c10::GatheredContext> gather(RecordContext at_least) {
+  c10::cuda::CUDACachingAllocator::CreateContextFn recorder;
+  {
+    std::lock_guard<std::mutex> g(history.lock);
+    if (history.when < at_least) {
+      return nullptr;
+    }
+    recorder = history.recorder;
+  }
+  return recorder != nullptr ? recorder() : nullptr;
+}
+
+void history_alloc(void* ptr, size_t size, int device, void* stream) {
+  auto stack = gather(RecordContext::STATE);
+  std::lock_guard<std::mutex> g(history.lock);
+  if (!history.on.load(std::memory_order_relaxed)) {
+    return;
+  }
+  if (stack) {
+    history.stacks[ptr] = stack;
+  }
+  trace_event(TraceEntry::ALLOC, device, ptr, size, stream, history.when >= RecordContext::ALLOC ? stack : nullptr);
+}
+
+// From a deleter: never throws (a recorder that does loses its stack, not the free).
+void history_free(void* ptr, size_t size, int device, void* stream) noexcept {
+  try {
+    auto stack = gather(RecordContext::ALL);
+    std::lock_guard<std::mutex> g(history.lock);
+    history.stacks.erase(ptr);
+    if (!history.on.load(std::memory_order_relaxed)) {
+      return;
+    }
+    // vrampool frees in stream order at once (a block given to record_stream waits in the
+    // pool, out of PyTorch's sight): the request and its completion are one moment here.
+    trace_event(TraceEntry::FREE_REQUESTED, device, ptr, size, stream, stack);
+    trace_event(TraceEntry::FREE_COMPLETED, device, ptr, size, stream, stack);
+  } catch (...) {
+  }
+}
+
+void record_history(bool enabled, c10::cuda::CUDACachingAllocator::CreateContextFn recorder, size_t max_entries,
+                    RecordContext when, bool clear, const std::vector<std::string>& skip_actions) {
+  std::lock_guard<std::mutex> g(history.lock);
+  history.recorder = recorder;
+  history.when = enabled ? when : RecordContext::NEVER;
+  history.max_entries = enabled ? max_entries : 0;
+  history.skipped.clear();
+  for (const auto& a : skip_actions) {
+    history.skipped.push_back(c10::CachingDeviceAllocator::parseTraceEntryAction(a));
+  }
+  if (clear) {
+    history.traces.clear();
+  }
+  if (!enabled) {
+    history.stacks.clear();
+  }
+  history.on.store(enabled, std::memory_order_relaxed);
+}
+
 }  // namespace
 
 VH_EXPORT void* vrampool_hooks_malloc(ssize_t size, int device, void* stream) {
@@ -395,6 +498,9 @@ VH_EXPORT void* vrampool_hooks_malloc(ssize_t size, int device, void* stream) {
     // Read the error now: it is this thread's, and the next call would replace it.
     throw_refused(size, device, last_failure("no message"));
   }
+  if (history.on.load(std::memory_order_relaxed) && p != nullptr) {
+    history_alloc(p, static_cast<size_t>(size), device, stream);
+  }
   return p;
 }
 
@@ -412,6 +518,9 @@ VH_EXPORT void vrampool_hooks_free(void* ptr, ssize_t size, int device, void* st
     add(s.free_ticks, ticks() - t0);
   }
   add(s.frees, 1);
+  if (history.on.load(std::memory_order_relaxed) && ptr != nullptr) {
+    history_free(ptr, static_cast<size_t>(size), device, stream);
+  }
 }
 
 namespace {
@@ -539,13 +648,23 @@ std::vector<Extent> extents_of(int device) {
 // (vrampool maps pages on demand into one reserved range, as PyTorch's expandable
 // segments do), a block per extent. Live blocks are allocated and active; a block freed
 // after use on other streams and waiting for their work is active, as PyTorch's blocks
-// waiting for their events are; cached and free memory is inactive. No allocation history
-// (device_traces) is kept: vrampool records no stack traces.
+// waiting for their events are; cached and free memory is inactive. While history is on,
+// live blocks carry the stacks that allocated them, and device_traces the recent events.
 c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot_of(c10::cuda::MempoolId_t mempool) {
   c10::cuda::CUDACachingAllocator::SnapshotInfo info;
   const bool every_pool = mempool.first == 0 && mempool.second == 0;
   const int devices = static_cast<int>(c10::cuda::device_count());
   info.device_traces.resize(devices);
+  std::unordered_map<void*, std::shared_ptr<c10::GatheredContext>> stacks;
+  {
+    std::lock_guard<std::mutex> g(history.lock);
+    stacks = history.stacks;
+    for (const auto& [device, ring] : history.traces) {
+      if (device >= 0 && device < devices) {
+        info.device_traces[device].assign(ring.begin(), ring.end());
+      }
+    }
+  }
   for (int device = 0; device < devices; device++) {
     uint64_t at = 0, a = 0, b = 0;
     for (const Extent& e : extents_of(device)) {
@@ -565,6 +684,12 @@ c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot_of(c10::cuda::MempoolId_t
       }
       auto& seg = info.segments.back();
       c10::CachingDeviceAllocator::BlockInfo block;
+      if (e.state == kExtentLive) {
+        const auto it = stacks.find(reinterpret_cast<void*>(e.addr));
+        if (it != stacks.end()) {
+          block.context_when_allocated = it->second;
+        }
+      }
       block.size = e.bytes;
       block.requested_size = e.requested;
       block.allocated = e.state == kExtentLive;
@@ -648,8 +773,24 @@ struct StatsAllocator : torch::cuda::CUDAPluggableAllocator::CUDAPluggableAlloca
   }
 
   c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot(
-      c10::cuda::MempoolId_t mempool, bool /*include_traces: none are kept*/) override {
-    return snapshot_of(mempool);
+      c10::cuda::MempoolId_t mempool, bool include_traces) override {
+    auto info = snapshot_of(mempool);
+    if (!include_traces) {
+      for (auto& t : info.device_traces) {
+        t.clear();
+      }
+    }
+    return info;
+  }
+
+  void recordHistory(bool enabled, c10::cuda::CUDACachingAllocator::CreateContextFn context_recorder,
+                     size_t alloc_trace_max_entries, c10::cuda::CUDACachingAllocator::RecordContext when,
+                     bool clear_history, const std::vector<std::string>& skip_actions) override {
+    record_history(enabled, context_recorder, alloc_trace_max_entries, when, clear_history, skip_actions);
+  }
+
+  bool isHistoryEnabled() override {
+    return history.on.load(std::memory_order_relaxed);
   }
 
  private:
