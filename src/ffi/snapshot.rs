@@ -50,7 +50,8 @@ pub(super) fn extents(ordinal: usize) -> Result<Vec<vrampool_extent>> {
     let mut out = Vec::new();
     picture(&snapshot, &live, (0, 0), |id| raw_of(dev.entry, id), &mut out);
     for g in graph::pictures(ordinal) {
-        // A graph pool's blocks are on its one internal stream, never a program's.
+        // A graph pool's free memory is its one internal stream's, which no handle of the
+        // program names; its live blocks carry the handles they were allocated with.
         picture(&g.snapshot, &g.live, g.id, |_| None, &mut out);
     }
     Ok(out)
