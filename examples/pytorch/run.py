@@ -188,6 +188,7 @@ def child(args) -> int:
     checks["memory_statistics"] = vp_checks.memory_statistics(backend)
     checks["memory_snapshot"] = vp_checks.memory_snapshot(backend)
     checks["memory_history"] = vp_checks.memory_history(backend)
+    checks["oom_observer"] = vp_checks.oom_observer(backend)
     checks["cuda_graph"] = vp_checks.cuda_graph(backend)
     report["pytorch_stats_calls"] = vp_checks.pytorch_stats_calls()
     report["tensor_pairs"] = vp_checks.tensor_pairs(5_000 if args.quick else 20_000)

@@ -393,6 +393,29 @@ def memory_history(backend) -> dict:
     return r
 
 
+def oom_observer(backend) -> dict:
+    """An observer attached with torch._C._cuda_attach_out_of_memory_observer must be called
+    when an allocation runs out, before torch.OutOfMemoryError reaches the program, and may
+    take a snapshot there (PyTorch's memory docs dump one so). Observers cannot be detached:
+    this one stays, and only counts. Under vrampool the C++ wrapper's allocator calls them
+    (the public wrapper alone raises when one is attached)."""
+    if backend.name == "vrampool" and backend.hooks != "cpp":
+        return {"skipped": "observers are called by the C++ wrapper's allocator", "ok": True}
+    seen = []
+
+    def observe(device, alloc, device_total, device_free):
+        segments = torch.cuda.memory._snapshot()["segments"]
+        seen.append({"device": device, "alloc": alloc, "device_total": device_total,
+                     "device_free": device_free, "segments": len(segments)})
+
+    torch._C._cuda_attach_out_of_memory_observer(observe)
+    r = {"first": _try_alloc(1 << 46)}
+    r["observed"] = seen[:1]
+    r["ok"] = (r["first"]["raised"] == "torch.OutOfMemoryError" and len(seen) == 1
+               and seen[0]["alloc"] >= 1 << 46 and seen[0]["device_total"] > 0)
+    return r
+
+
 def oom_probe() -> dict:
     """Run in a child with the public wrapper only: what a NULL from the alloc function
     becomes (the tensor is never touched)."""

@@ -43,7 +43,9 @@
 //    torch.cuda.memory._snapshot (what memory_viz draws) show vrampool's segments and
 //    blocks; and whose recordHistory keeps, while torch.cuda.memory._record_memory_history
 //    is on, each live block's allocation stack and a ring of recent allocations and frees,
-//    which the snapshot carries as PyTorch's own allocator does.
+//    which the snapshot carries as PyTorch's own allocator does; and whose out-of-memory
+//    observers (torch._C._cuda_attach_out_of_memory_observer) are called before an
+//    out-of-memory error is thrown.
 // 3. Counters of what PyTorch asked for, and the time spent inside vrampool's malloc and
 //    free (a tick counter read around each call; off unless asked for). Each thread has
 //    its own slot, written only by it: no read-modify-write on the allocation path.
@@ -273,23 +275,48 @@ std::string num(long long v) {
   throw c10::Error(here, msg);
 }
 
+// Observers of out-of-memory errors (torch._C._cuda_attach_out_of_memory_observer, which
+// PyTorch's memory docs use to dump a snapshot when a program runs out): called as PyTorch's
+// own allocator calls them, with the device, the bytes asked for, the device's total and
+// free memory, just before the error is thrown.
+std::mutex oom_observers_lock;
+std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver> oom_observers;
+
+void tell_oom_observers(int device, uint64_t bytes, size_t total, size_t free) {
+  std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver> observers;
+  {
+    std::lock_guard<std::mutex> g(oom_observers_lock);
+    observers = oom_observers;
+  }
+  for (const auto& observe : observers) {
+    try {
+      observe(device, bytes, total, free);
+    } catch (...) {
+      // The out-of-memory error is what the caller gets, whatever an observer does.
+    }
+  }
+}
+
 // Throw what PyTorch's own allocator would for this refusal: out of memory (also for a
 // request no pool can ever serve) as c10::OutOfMemoryError, anything else as c10::Error.
 [[noreturn]] void throw_refused(ssize_t size, int device, const Failure& f) {
   if (f.code == kOutOfMemory || f.code == kTooLarge) {
     const auto bytes = static_cast<uint64_t>(size);
-    if (bytes >= (1ULL << 60)) {
-      throw_error(true, "CUDA out of memory. Tried to allocate more than 1EB memory. vrampool: " + f.message);
-    }
     std::string capacity = "";
+    size_t free = 0, total = 0;
     try {
       // The allocator object's own query (cudaMemGetInfo under a device guard).
       auto info = c10::cuda::CUDACachingAllocator::get()->getMemoryInfo(
           static_cast<c10::DeviceIndex>(device));
+      free = info.first, total = info.second;
       capacity = " has a total capacity of " + format_size(info.second) + " of which " +
           format_size(info.first) + " is free";
     } catch (const std::exception&) {
       // No device to ask (the simulator): the message goes without the figures.
+    }
+    tell_oom_observers(device, bytes, total, free);
+    if (bytes >= (1ULL << 60)) {
+      throw_error(true, "CUDA out of memory. Tried to allocate more than 1EB memory. vrampool: " + f.message);
     }
     throw_error(true, "CUDA out of memory. Tried to allocate " + format_size(bytes) + ". GPU " + num(device) +
                     capacity + ". vrampool: " + f.message);
@@ -791,6 +818,11 @@ struct StatsAllocator : torch::cuda::CUDAPluggableAllocator::CUDAPluggableAlloca
 
   bool isHistoryEnabled() override {
     return history.on.load(std::memory_order_relaxed);
+  }
+
+  void attachOutOfMemoryObserver(c10::cuda::CUDACachingAllocator::OutOfMemoryObserver observer) override {
+    std::lock_guard<std::mutex> g(oom_observers_lock);
+    oom_observers.push_back(std::move(observer));
   }
 
  private:
