@@ -820,6 +820,17 @@ struct StatsAllocator : torch::cuda::CUDAPluggableAllocator::CUDAPluggableAlloca
     return history.on.load(std::memory_order_relaxed);
   }
 
+  // torch.multiprocessing sends a CUDA tensor to another process through an IPC handle of
+  // its memory; vrampool's memory is mapped with CUDA's virtual memory calls, which the
+  // legacy IPC calls do not accept, and exporting it would take a handle per page. Say so,
+  // and what to do instead, rather than PyTorch's "does not yet support".
+  c10::cuda::CUDACachingAllocator::ShareableHandle shareIpcHandle(void* /*ptr*/) override {
+    throw_error(false,
+                "vrampool: a CUDA tensor cannot be shared with another process (torch.multiprocessing, "
+                "CUDA IPC): its memory is mapped with CUDA's virtual memory API, which cudaIpcGetMemHandle "
+                "does not accept. Send it through the CPU (tensor.cpu()) and copy it to the device there.");
+  }
+
   void attachOutOfMemoryObserver(c10::cuda::CUDACachingAllocator::OutOfMemoryObserver observer) override {
     std::lock_guard<std::mutex> g(oom_observers_lock);
     oom_observers.push_back(std::move(observer));
