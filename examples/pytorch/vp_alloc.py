@@ -69,13 +69,14 @@ def cuda_include_dirs() -> list[str]:
 
 
 def build_hooks(build_dir: str = DEFAULT_BUILD_DIR, verbose: bool = False):
-    """Build (or load the cached build of) vrampool_hooks.cpp; returns the module."""
+    """Build (or load the cached build of) the extension (vrampool_hooks.cpp and
+    vrampool_allocator.cpp); returns the module."""
     from torch.utils import cpp_extension
 
     os.makedirs(build_dir, exist_ok=True)
     return cpp_extension.load(
         name="vrampool_hooks",
-        sources=[os.path.join(HERE, "vrampool_hooks.cpp")],
+        sources=[os.path.join(HERE, f) for f in ("vrampool_hooks.cpp", "vrampool_allocator.cpp")],
         extra_cflags=["-O2"],
         extra_include_paths=cuda_include_dirs(),
         # The extension calls into libtorch_cuda (CUDAPluggableAllocator) and c10_cuda, but
