@@ -7,8 +7,9 @@ vrampool is installed in one of three ways (``--hooks``):
   ``vrampool_hooks_free`` of the C++ extension ``vrampool_hooks.cpp`` (built here with
   torch.utils.cpp_extension and ninja), which raise ``torch.OutOfMemoryError`` where
   ``vrampool_malloc`` returns NULL, count the calls and time them. The extension installs
-  its own subclass of the C++ ``CUDAPluggableAllocator`` (``torch.cuda.memory_stats`` and
-  its kin read vrampool's figures) and sets the record-stream, reset (empty-cache) and
+  its own subclass of the C++ ``CUDAPluggableAllocator`` (``vrampool_allocator.cpp``:
+  ``torch.cuda.memory_stats`` and its kin read vrampool's figures, snapshots, history and
+  out-of-memory observers work) and sets the record-stream, reset (empty-cache) and
   memory-fraction hooks on it.
 * ``ctypes``: ``vrampool_malloc`` and ``vrampool_free`` themselves, and the two hooks set
   through ``torch._C._CUDAPluggableAllocator.set_record_stream_fn`` / ``set_reset_fn``
