@@ -240,7 +240,8 @@ def memory_fraction(backend) -> dict:
     device, a request for a fifth raises torch.OutOfMemoryError; back at the default, the same
     request is served. Under vrampool the fraction reaches vrampool_set_memory_fraction
     through the pluggable allocator's hook (the C++ wrapper installs it); the default
-    fraction is PyTorch's 1.0 and vrampool's 0.8 (its pool's ceiling)."""
+    fraction is PyTorch's 1.0 and vrampool's 0.8 (its pool's ceiling).
+    get_per_process_memory_fraction reads each back."""
     if backend.name == "vrampool" and backend.hooks != "cpp":
         return {"skipped": "the memory-fraction hook is installed by the C++ wrapper", "ok": True}
     torch.cuda.empty_cache()
@@ -248,14 +249,20 @@ def memory_fraction(backend) -> dict:
     default = 0.8 if backend.name == "vrampool" else 1.0
     size = total // 5
     r = {}
+    get = torch.cuda.get_per_process_memory_fraction
+    r["read_first"] = get()
     try:
         torch.cuda.set_per_process_memory_fraction(0.1)
+        r["read_at_a_tenth"] = get()
         r["at_a_tenth"] = _try_alloc(size)
     finally:
         torch.cuda.set_per_process_memory_fraction(default)
+    r["read_at_default"] = get()
     r["at_default"] = _try_alloc(size)
     torch.cuda.empty_cache()
-    r["ok"] = r["at_a_tenth"]["raised"] == "torch.OutOfMemoryError" and r["at_default"]["raised"] is None
+    r["ok"] = (r["at_a_tenth"]["raised"] == "torch.OutOfMemoryError" and r["at_default"]["raised"] is None
+               and abs(r["read_first"] - default) < 1e-3 and r["read_at_a_tenth"] == 0.1
+               and r["read_at_default"] == default)
     return r
 
 

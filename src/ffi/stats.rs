@@ -21,6 +21,12 @@ pub struct Report {
     pub graph_pool_blocks: u64,
     /// Bytes they hold mapped (not in `reserved_bytes`, which is the device's main pool's).
     pub graph_pool_reserved_bytes: u64,
+    /// The most the device's pool may map now (`VRAMPOOL_MAX_RESERVED`, or as
+    /// `vrampool_set_memory_fraction` last set it).
+    pub max_reserved_bytes: u64,
+    /// The device's memory: with `max_reserved_bytes`, the fraction PyTorch's
+    /// `get_per_process_memory_fraction` reads.
+    pub device_memory_bytes: u64,
 }
 
 impl Report {
@@ -36,6 +42,8 @@ impl Report {
             graph_pools: graphs.len() as u64,
             graph_pool_blocks: graphs.iter().map(|&(blocks, _)| blocks as u64).sum(),
             graph_pool_reserved_bytes: graphs.iter().map(|&(_, bytes)| bytes).sum(),
+            max_reserved_bytes: entry.pool.max_reserved(),
+            device_memory_bytes: entry.pool.device().total_memory(),
         })
     }
 

@@ -470,9 +470,14 @@ static void memory_fraction(void) {
     const ssize_t gib = (ssize_t)1 << 30;
     CHECK(vrampool_empty_cache() == 0);
     CHECK(vrampool_set_memory_fraction(0, 0.25) == 0);
+    /* The limit now, as PyTorch's get_per_process_memory_fraction reads it: a quarter of
+     * the device, rounded down to whole pages. */
+    long long total = stat(0, "device_memory_bytes"), limit = stat(0, "max_reserved_bytes");
+    CHECK(total == 2 * gib && limit <= total / 4 && limit > total / 4 - (2 << 20));
     CHECK(vrampool_malloc(gib, 0, NULL) == NULL);
     CHECK_ERROR(VRAMPOOL_ERROR_OUT_OF_MEMORY);
     CHECK(vrampool_set_memory_fraction(0, 0.8) == 0);
+    CHECK(stat(0, "max_reserved_bytes") > limit);
     void *p = vrampool_malloc(gib, 0, NULL);
     CHECK(p != NULL);
     CHECK_NO_ERROR();
