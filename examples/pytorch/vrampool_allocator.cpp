@@ -13,8 +13,7 @@
 // - recordHistory: while torch.cuda.memory._record_memory_history is on, each live block's
 //   allocation stack and a ring of recent allocations and frees are kept here and carried
 //   by the snapshot, as PyTorch's own allocator does;
-// - getMemoryFraction: the fraction set through PyTorch, else vrampool's limit over the
-//   device's memory;
+// - getMemoryFraction: vrampool's limit over the device's memory;
 // - attachOutOfMemoryObserver: observers (torch._C._cuda_attach_out_of_memory_observer)
 //   are called before an out-of-memory error is thrown;
 // - shareIpcHandle raises with the reason CUDA IPC cannot share vrampool's memory.
@@ -38,15 +37,6 @@
 #include "vrampool_hooks.h"
 
 namespace vh {
-
-// The fractions set through PyTorch, by device.
-std::mutex fractions_lock;
-std::map<int, double> fractions;
-
-void remember_fraction(int device, double fraction) {
-  std::lock_guard<std::mutex> g(fractions_lock);
-  fractions[device] = fraction;
-}
 
 // Observers of out-of-memory errors (torch._C._cuda_attach_out_of_memory_observer, which
 // PyTorch's memory docs use to dump a snapshot when a program runs out): called as PyTorch's
@@ -370,17 +360,10 @@ struct StatsAllocator : torch::cuda::CUDAPluggableAllocator::CUDAPluggableAlloca
                 "does not accept. Send it through the CPU (tensor.cpu()) and copy it to the device there.");
   }
 
-  // torch.cuda.get_per_process_memory_fraction: the fraction last set through PyTorch, as
-  // given (vrampool rounds the limit down to whole pages), else vrampool's limit over the
-  // device's memory (0.8 by default, VRAMPOOL_MAX_RESERVED's otherwise).
+  // torch.cuda.get_per_process_memory_fraction: vrampool's limit over the device's memory
+  // (0.8 by default), as PyTorch's allocator reads its own (its allowed bytes over the
+  // device's: 0.1 set reads 0.09999999999529509 there; vrampool rounds to whole pages).
   double getMemoryFraction(c10::DeviceIndex device) override {
-    {
-      std::lock_guard<std::mutex> g(fractions_lock);
-      const auto it = fractions.find(device);
-      if (it != fractions.end()) {
-        return it->second;
-      }
-    }
     const std::string j = stats_json(device);
     const double total = static_cast<double>(stat_of(j, "device_memory_bytes"));
     return total > 0 ? static_cast<double>(stat_of(j, "max_reserved_bytes")) / total : 1.0;

@@ -450,7 +450,6 @@ void memory_fraction_hook(double fraction, int device) {
     std::string why = last_error_or("no message");
     throw_error(false, "vrampool_set_memory_fraction failed: " + why);
   }
-  remember_fraction(device, fraction);
 }
 
 // Install (true) or remove (false) each hook; an empty std::function is PyTorch's "unset"

@@ -102,10 +102,6 @@ extern std::atomic<bool> history_on;
 void history_alloc(void* ptr, size_t size, int device, void* stream);
 void history_free(void* ptr, size_t size, int device, void* stream) noexcept;
 
-// torch.cuda.set_per_process_memory_fraction set `fraction` for `device` (vrampool took it):
-// what get_per_process_memory_fraction then reads.
-void remember_fraction(int device, double fraction);
-
 // Call the out-of-memory observers PyTorch attached, before the error is thrown.
 void tell_oom_observers(int device, uint64_t bytes, size_t total, size_t free);
 
