@@ -1,8 +1,8 @@
 // The allocator object PyTorch calls for everything but alloc and free, for vrampool.
 //
 // Python's CUDAPluggableAllocator passes on alloc and free and raises for most of the rest.
-// install() makes a subclass of the C++ CUDAPluggableAllocator over the extension's alloc
-// and free functions PyTorch's current allocator, whose overrides answer from vrampool:
+// install() makes PyTorch's current allocator a subclass of the C++ CUDAPluggableAllocator,
+// over the extension's alloc and free functions, whose overrides answer from vrampool:
 //
 // - getDeviceStats, resetPeakStats and resetAccumulatedStats, from vrampool_stats_json and
 //   vrampool_reset_peak_stats: torch.cuda.memory_stats, memory_allocated,
@@ -111,16 +111,22 @@ std::shared_ptr<c10::GatheredContext> gather(RecordContext at_least) {
   return recorder != nullptr ? recorder() : nullptr;
 }
 
-void history_alloc(void* ptr, size_t size, int device, void* stream) {
-  auto stack = gather(RecordContext::STATE);
-  std::lock_guard<std::mutex> g(history.lock);
-  if (!history_on.load(std::memory_order_relaxed)) {
-    return;
+// After the block is allocated: never throws (a recorder that does loses the block's
+// stack, not the block, which an exception here would leak).
+void history_alloc(void* ptr, size_t size, int device, void* stream) noexcept {
+  try {
+    auto stack = gather(RecordContext::STATE);
+    std::lock_guard<std::mutex> g(history.lock);
+    if (!history_on.load(std::memory_order_relaxed)) {
+      return;
+    }
+    if (stack) {
+      history.stacks[ptr] = stack;
+    }
+    trace_event(TraceEntry::ALLOC, device, ptr, size, stream,
+                history.when >= RecordContext::ALLOC ? stack : nullptr);
+  } catch (...) {
   }
-  if (stack) {
-    history.stacks[ptr] = stack;
-  }
-  trace_event(TraceEntry::ALLOC, device, ptr, size, stream, history.when >= RecordContext::ALLOC ? stack : nullptr);
 }
 
 // From a deleter: never throws (a recorder that does loses its stack, not the free).

@@ -99,7 +99,7 @@ std::string install();
 // Whether torch.cuda.memory._record_memory_history is on: the alloc and free functions
 // then tell the history of each block.
 extern std::atomic<bool> history_on;
-void history_alloc(void* ptr, size_t size, int device, void* stream);
+void history_alloc(void* ptr, size_t size, int device, void* stream) noexcept;
 void history_free(void* ptr, size_t size, int device, void* stream) noexcept;
 
 // Call the out-of-memory observers PyTorch attached, before the error is thrown.
