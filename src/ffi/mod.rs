@@ -130,12 +130,8 @@ pub unsafe extern "C" fn vrampool_record_stream(ptr: *mut c_void, stream: *mut c
 pub unsafe extern "C" fn vrampool_stream_destroyed(device: c_int, stream: *mut c_void) -> c_int {
     guarded("vrampool_stream_destroyed", vrampool_status::VRAMPOOL_ERROR_INTERNAL as c_int, || {
         let _relaxed = relaxed();
-        let Ok(ordinal) = usize::try_from(device) else {
-            let e = Error::InvalidArgument(format!("device {device} is not an ordinal"));
-            return AbiError::from_error("vrampool_stream_destroyed", Counter::FailedCalls, &e).report();
-        };
         // SAFETY: the caller promises a live stream of the device.
-        match unsafe { registry::stream_destroyed(ordinal, stream as u64) } {
+        match ordinal(device).and_then(|d| unsafe { registry::stream_destroyed(d, stream as u64) }) {
             Ok(()) => 0,
             Err(e) => AbiError::from_error("vrampool_stream_destroyed", Counter::FailedCalls, &e).report(),
         }
@@ -235,9 +231,12 @@ pub extern "C" fn vrampool_reset_peak_stats(device: c_int) -> c_int {
 
 /// Device `device`'s pool (made now if it was not yet).
 fn pool_of(device: c_int) -> Result<crate::Pool, Error> {
-    let ordinal =
-        usize::try_from(device).map_err(|_| Error::InvalidArgument(format!("device {device} is not an ordinal")))?;
-    registry::pool(ordinal)
+    ordinal(device).and_then(registry::pool)
+}
+
+/// The device ordinal a C caller passed, or `InvalidArgument` for a negative one.
+fn ordinal(device: c_int) -> Result<usize, Error> {
+    usize::try_from(device).map_err(|_| Error::InvalidArgument(format!("device {device} is not an ordinal")))
 }
 
 /// The `user_data` of an out-of-memory handler, carried to whichever thread runs it.
@@ -326,9 +325,7 @@ pub unsafe extern "C" fn vrampool_malloc_to_pool(
 fn graph_call(call: &'static str, device: c_int, f: impl FnOnce(usize) -> Result<(), Error>) -> c_int {
     guarded(call, vrampool_status::VRAMPOOL_ERROR_INTERNAL as c_int, || {
         let _relaxed = relaxed();
-        let result = usize::try_from(device)
-            .map_err(|_| Error::InvalidArgument(format!("device {device} is not an ordinal")))
-            .and_then(f);
+        let result = ordinal(device).and_then(f);
         match result {
             Ok(()) => 0,
             Err(e) => AbiError::from_error(call, Counter::FailedCalls, &e).report(),
@@ -501,10 +498,7 @@ pub unsafe extern "C" fn vrampool_snapshot(
         if count.is_null() || (out.is_null() && cap != 0) {
             return invalid(format!("{call}: a null count, or a null array of {cap} extents"));
         }
-        let Ok(ordinal) = usize::try_from(device) else {
-            return invalid(format!("{call}: device {device} is not an ordinal"));
-        };
-        match snapshot::extents(ordinal) {
+        match ordinal(device).and_then(snapshot::extents) {
             Ok(extents) => {
                 let n = extents.len().min(cap);
                 // SAFETY: `out` has room for `cap >= n` extents (non-null when `n > 0`, as

@@ -62,8 +62,9 @@ pub(super) fn json(device: c_int, buf: *mut c_char, len: usize) -> Result<usize,
     if buf.is_null() && len != 0 {
         return Err(invalid(format!("{call}: a null buffer of {len} bytes")));
     }
-    let ordinal = usize::try_from(device).map_err(|_| invalid(format!("{call}: device {device}")))?;
-    let report = Report::now(ordinal).map_err(|e| AbiError::from_error(call, Counter::FailedCalls, &e))?;
+    let report = super::ordinal(device)
+        .and_then(Report::now)
+        .map_err(|e| AbiError::from_error(call, Counter::FailedCalls, &e))?;
     let text = report.to_json();
     if len > 0 {
         let n = text.len().min(len - 1);
