@@ -174,15 +174,21 @@ int64_t stat_of(const std::string& json, const char* key) {
   return at == std::string::npos ? 0 : std::strtoll(json.c_str() + at + pattern.size(), nullptr, 10);
 }
 
+// The figures move between calls (a counter gains a digit, settling takes time), so the length
+// asked first is where the buffer starts, with room to grow, and a longer answer asks again.
 std::string stats_json(int device) {
-  const size_t n = lib.stats_json(device, nullptr, 0);
-  if (n == 0) {
-    throw_error(false, "vrampool_stats_json failed: " + last_error_or("no message"));
+  size_t n = lib.stats_json(device, nullptr, 0);
+  for (;;) {
+    if (n == 0) {
+      throw_error(false, "vrampool_stats_json failed: " + last_error_or("no message"));
+    }
+    std::string buf(n + 64, '\0');
+    n = lib.stats_json(device, buf.data(), buf.size());
+    if (n > 0 && n < buf.size()) {
+      buf.resize(n);
+      return buf;
+    }
   }
-  std::string buf(n + 1, '\0');
-  lib.stats_json(device, buf.data(), buf.size());
-  buf.resize(n);
-  return buf;
 }
 
 // vrampool_snapshot of `device`, with room for every extent: the pool is read while other

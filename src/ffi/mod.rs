@@ -405,6 +405,9 @@ pub extern "C" fn vrampool_pause_traces(paused: c_int) -> c_int {
 /// and accepts `buf = NULL, len = 0` to ask for the length. The keys are the fields of
 /// vrampool's `Stats` (`"allocated_bytes"`, ...) and the ABI's counters (`"abi_*"`,
 /// process-wide). Pending frees are settled first. On failure returns 0 with the error set.
+/// The figures move between calls (and settling takes time, which is a figure), so the length
+/// one call returns may be short for the next: give room to spare and ask again when the
+/// return is `len` or more.
 ///
 /// # Safety
 /// `buf` is NULL with `len == 0`, or valid for writing `len` bytes.

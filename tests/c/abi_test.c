@@ -152,22 +152,27 @@ static void free_inputs(void) {
 }
 
 static void stats_json_is_snprintf(void) {
+    /* The figures move between calls (settling pending frees takes time, and the times are
+     * figures), so the length asked first is room to start from, not the next call's. */
     size_t n = vrampool_stats_json(0, NULL, 0);
     CHECK(n > 2);
     CHECK_NO_ERROR();
-    char *buf = malloc(n + 1);
-    memset(buf, 'x', n + 1);
-    CHECK(vrampool_stats_json(0, buf, n + 1) == n);
-    CHECK(strlen(buf) == n && buf[0] == '{' && buf[n - 1] == '}');
+    size_t room = n + 64;
+    char *buf = malloc(room);
+    memset(buf, 'x', room);
+    size_t whole = vrampool_stats_json(0, buf, room);
+    CHECK(whole > 2 && whole < room);
+    CHECK(strlen(buf) == whole && buf[0] == '{' && buf[whole - 1] == '}');
     CHECK(strstr(buf, "\"allocated_bytes\":") != NULL);
     CHECK(strstr(buf, "\"reserved_bytes\":") != NULL);
     CHECK(strstr(buf, "\"abi_double_frees\":") != NULL);
+    /* Too small: truncated and terminated, and the whole length still returned. */
     char small[10];
     memset(small, 'x', sizeof small);
-    CHECK(vrampool_stats_json(0, small, sizeof small) == n);
+    CHECK(vrampool_stats_json(0, small, sizeof small) > sizeof small);
     CHECK(strlen(small) == sizeof small - 1 && memcmp(small, buf, sizeof small - 1) == 0);
     char one = 'x';
-    CHECK(vrampool_stats_json(0, &one, 1) == n);
+    CHECK(vrampool_stats_json(0, &one, 1) > 2);
     CHECK(one == 0);
     free(buf);
     CHECK(vrampool_stats_json(0, NULL, 5) == 0);
