@@ -29,6 +29,13 @@ pub(crate) use loom::sync::Arc;
 #[allow(unused_imports)]
 pub(crate) use std::sync::Arc;
 
+#[cfg(loom)]
+pub(crate) use loom::thread::{current as current_thread, ThreadId};
+/// A thread's identity, and the calling thread's: loom's model threads share one OS thread,
+/// so under loom they are loom's own.
+#[cfg(not(loom))]
+pub(crate) use std::thread::{current as current_thread, ThreadId};
+
 /// The epoch-based reclamation crate, in its loom build under `--cfg crossbeam_loom`.
 pub(crate) use crossbeam_epoch as epoch;
 

@@ -1,6 +1,7 @@
 //! loom models of the thread-cache tier (T0) and its neighbours: the idle-cache handshake
-//! (owner operations racing a thief), the thread-exit flush racing the pool's trim, and an
-//! allocating thread racing the out-of-memory ladder's flush of caches and depots.
+//! (owner operations racing a thief, and racing a reader that waits for them), the
+//! thread-exit flush racing the pool's trim, and an allocating thread racing the
+//! out-of-memory ladder's flush of caches and depots.
 //!
 //! Tiny configurations: one size class, magazines of 1–2 blocks, depots that keep one full
 //! magazine, 2 threads. The magazines live in the facade's `UnsafeCell`, so loom itself
@@ -170,6 +171,56 @@ fn owner_and_thief_never_hold_the_magazines_together() {
         }
         let in_hands = owner.join().unwrap();
         let mut all: Vec<u64> = in_hands.into_iter().collect();
+        all.extend(cache_contents(&cs));
+        all.extend(depot_contents(&depot, &h));
+        all.extend(retire_contents(&retire, &h));
+        assert_exactly_once(all, &[1, 2, 3]);
+    });
+}
+
+/// The waiting reader (a snapshot's walk). The owner allocates one block and frees another
+/// while a reader keeps the steal flag up and waits for the owner's operation to end, then
+/// takes whatever the cache holds. loom's cell checking fails any run where the two touch
+/// the magazines at once; the reader always gets in (it never gives up here), and each
+/// block ends in exactly one place.
+#[test]
+fn a_waiting_reader_always_gets_in_and_never_beside_the_owner() {
+    loom::model(|| {
+        let collector = Arc::new(Collector::new());
+        let depot = Arc::new(Depot::new(1));
+        // Made here, so this thread is the cache's owner (a reader on the owner's own
+        // thread only tries once).
+        let cs = {
+            let h = collector.register();
+            Arc::new(filled_cache(&[1, 2], 2, &depot, &h))
+        };
+        let retire: Arc<Stack<Span>> = Arc::new(Stack::new());
+        let reader = {
+            let (cs, retire, c) = (cs.clone(), retire.clone(), collector.clone());
+            thread::spawn(move || {
+                let h = c.register();
+                let mut taken = Vec::new();
+                let read = cs.steal_waiting(
+                    |c| {
+                        let g = h.pin();
+                        // SAFETY: steal_waiting holds the handshake while this runs.
+                        unsafe { c.drain(&[], false, |_, a| taken.push(a), &g) }
+                    },
+                    || true,
+                );
+                for &a in &taken {
+                    retire.push(span(a));
+                }
+                read
+            })
+        };
+        let h = collector.register();
+        let got = alloc(&cs, slot(2), &depot, &h);
+        for a in free(&cs, slot(2), 3, &depot, &h) {
+            retire.push(span(a));
+        }
+        assert!(reader.join().unwrap(), "a patient reader always gets the cache");
+        let mut all: Vec<u64> = got.into_iter().collect();
         all.extend(cache_contents(&cs));
         all.extend(depot_contents(&depot, &h));
         all.extend(retire_contents(&retire, &h));

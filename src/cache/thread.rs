@@ -30,6 +30,13 @@
 //! (see [`crate::sync::light_fence`]). Under loom both are `fence(SeqCst)`, which is what
 //! the model checks.
 //!
+//! A reader that must see a busy cache (a snapshot) keeps `steal` up and waits for
+//! `in_use` to fall instead of skipping ([`CacheShared::steal_waiting`]): every operation
+//! whose `light_fence` comes after the thief's `heavy_fence` sees `steal` and backs off, so
+//! the wait ends with the operation in progress at the fence, the last that can hold the
+//! magazines. The trim and the out-of-memory ladder still skip busy caches: they want
+//! idle memory, not to stall a working thread.
+//!
 //! Counters are written only by whoever holds the magazines (the owner inside an operation,
 //! or a thief that won the handshake) with plain relaxed load + store, and read by
 //! `stats()` at any time: a snapshot, exact when the pool is quiet.
@@ -39,7 +46,7 @@ use crate::cache::magazine::{Magazine, MAG_CAP};
 use crate::cache::mags::{hot_index, Mags};
 use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::epoch::Guard;
-use crate::sync::{heavy_fence, light_fence, UnsafeCell};
+use crate::sync::{current_thread, heavy_fence, light_fence, ThreadId, UnsafeCell};
 
 pub use crate::cache::mags::REACH_MAX;
 
@@ -135,7 +142,7 @@ pub struct CacheShared {
     /// thieves only.
     seen_busy: AtomicU64,
     /// The thread that made the cache (its owner).
-    owner: std::thread::ThreadId,
+    owner: ThreadId,
     /// Whether the owning thread has let go of the cache (flushed or exited).
     retired: AtomicBool,
     mags: UnsafeCell<Mags>,
@@ -163,7 +170,7 @@ impl CacheShared {
             steal: AtomicBool::new(false),
             touched: AtomicBool::new(false),
             seen_busy: AtomicU64::new(0),
-            owner: std::thread::current().id(),
+            owner: current_thread().id(),
             mags: UnsafeCell::new(Mags::new(classes)),
             retired: AtomicBool::new(false),
             counters: CacheCounters::default(),
@@ -201,7 +208,7 @@ impl CacheShared {
     pub fn idle(&self) -> bool {
         // The caller's own cache (for another stream: one thread driving several) is not in
         // use while its owner is here, and taking it contends with no one.
-        if self.owner == std::thread::current().id() {
+        if self.owner == current_thread().id() {
             return true;
         }
         let now = idle_clock();
@@ -575,6 +582,45 @@ impl CacheShared {
         if self.in_use.load(Ordering::Acquire) {
             self.steal.store(false, Ordering::Release);
             return false;
+        }
+        f(self);
+        self.steal.store(false, Ordering::Release);
+        true
+    }
+
+    /// As a reader that must see this cache (a snapshot): take the handshake, waiting for
+    /// the owner's operation in progress to end instead of giving up on it. Once the steal
+    /// flag is up and the fence has passed, every later `enter` of the owner backs off, so
+    /// the owner leaves after at most the operation it is in (and then waits in
+    /// `enter_wait` until `f` is done). A busy owner thus cannot keep the reader out, as it
+    /// can keep out [`CacheShared::try_steal`], which only takes a cache it finds between
+    /// operations. `patient` is asked between looks and ends the wait when it says no
+    /// (an operation that waits on the device can take a while); it also waits out another
+    /// thief. On the owner's own thread it tries once. Returns whether `f` ran.
+    pub fn steal_waiting(&self, f: impl FnOnce(&Self), mut patient: impl FnMut() -> bool) -> bool {
+        if self.owner == current_thread().id() {
+            // The owner may be inside an operation further up its own stack.
+            return self.try_steal(f);
+        }
+        // Another thief (a trim, a ladder taking idle caches) holds the flag only while it
+        // moves the magazines.
+        while self.steal.swap(true, Ordering::AcqRel) {
+            if !patient() {
+                return false;
+            }
+            crate::sync::yield_now();
+        }
+        if !heavy_fence() {
+            self.steal.store(false, Ordering::Release);
+            return false;
+        }
+        // Acquire: pairs with the owner's Release in `exit` (or in `enter`'s backing off).
+        while self.in_use.load(Ordering::Acquire) {
+            if !patient() {
+                self.steal.store(false, Ordering::Release);
+                return false;
+            }
+            crate::sync::yield_now();
         }
         f(self);
         self.steal.store(false, Ordering::Release);

@@ -11,10 +11,10 @@
 //! live block is its own extent, with its stream, the bytes asked for and its site.
 //!
 //! **Exact when the pool is quiet.** The walk reads lock-free structures while other
-//! threads may change them; a thread cache is read through the idle-cache handshake, which
-//! fails while its owner is inside it (the walk tries again a while, then reports
-//! [`Snapshot::exact`] false). Nothing here stops or slows a hit path for longer than a
-//! handshake.
+//! threads may change them; a thread cache is read through the handshake, waiting for its
+//! owner to end the operation it is in (the owner's next operation waits while the walk
+//! reads the magazines); an owner still inside after a while makes [`Snapshot::exact`]
+//! false. A hit path is held up at most while one cache's magazines are read.
 //!
 //! [`PoolConfig::track_sites`]: super::PoolConfig::track_sites
 
@@ -29,8 +29,10 @@ use crate::device::StreamId;
 use crate::stats::Stats;
 use crate::sync::epoch;
 
-/// How many times the walk tries a thread cache whose owner is inside it before it gives up.
-const STEAL_TRIES: usize = 1000;
+/// How long the walk waits for a thread cache's owner to leave the operation it is in (one
+/// that waits on the device, in the out-of-memory ladder, can take this long) before the
+/// picture gives up on that cache.
+const STEAL_PATIENCE: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// What a stretch of mapped memory is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -211,10 +213,10 @@ impl PoolInner {
         for (cs, st) in self.caches.load().iter() {
             let stream = Some(st.stream.id());
             let mut got = Vec::new();
-            let walked = (0..STEAL_TRIES).any(|_| {
-                got.clear();
-                let ok = cs.try_steal(|c| {
-                    // SAFETY: try_steal holds the handshake while this runs.
+            let start = std::time::Instant::now();
+            let walked = cs.steal_waiting(
+                |c| {
+                    // SAFETY: steal_waiting holds the handshake while this runs.
                     unsafe {
                         c.for_each_block(|class, addr| {
                             got.push(Known {
@@ -225,12 +227,9 @@ impl PoolInner {
                             })
                         })
                     }
-                });
-                if !ok {
-                    std::thread::yield_now();
-                }
-                ok
-            });
+                },
+                || start.elapsed() < STEAL_PATIENCE,
+            );
             exact &= walked;
             known.extend(got);
         }

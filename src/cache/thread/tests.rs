@@ -100,6 +100,65 @@ fn a_cache_over_its_byte_bound_hands_frees_back() {
 }
 
 #[test]
+fn a_waiting_reader_gets_a_busy_cache_once_its_operation_ends_and_holds_off_the_next() {
+    use std::sync::mpsc::channel;
+    let c = std::sync::Arc::new(CacheShared::new(1));
+    let d = Depot::new(1);
+    assert!(c.enter());
+    // SAFETY: entered.
+    unsafe { push(&c, Slot { class: 0, size: SIZE, cap: 8 }, 0x100, u64::MAX, &d) };
+    let (waiting_tx, waiting) = channel();
+    let (reading_tx, reading) = channel();
+    let (release, release_rx) = channel::<()>();
+    let reader = {
+        let c = c.clone();
+        std::thread::spawn(move || {
+            let mut seen = vec![];
+            let mut told = false;
+            let got = c.steal_waiting(
+                |c| {
+                    // SAFETY: steal_waiting holds the handshake while this runs.
+                    unsafe { c.for_each_block(|_, a| seen.push(a)) };
+                    reading_tx.send(()).unwrap();
+                    release_rx.recv().unwrap();
+                },
+                || {
+                    if !told {
+                        told = true;
+                        waiting_tx.send(()).unwrap();
+                    }
+                    true
+                },
+            );
+            (got, seen)
+        })
+    };
+    waiting.recv().unwrap();
+    // The reader has seen the owner inside and waits, its flag up: the owner leaves.
+    c.exit();
+    reading.recv().unwrap();
+    assert!(!c.enter(), "the owner's next operation waits while the reader holds the magazines");
+    release.send(()).unwrap();
+    assert_eq!(reader.join().unwrap(), (true, vec![0x100]));
+    assert!(c.enter(), "the owner gets back in once the reader is done");
+    c.exit();
+}
+
+#[test]
+fn an_impatient_reader_leaves_a_busy_cache_as_it_found_it() {
+    let c = std::sync::Arc::new(CacheShared::new(1));
+    assert!(c.enter());
+    let reader = {
+        let c = c.clone();
+        std::thread::spawn(move || c.steal_waiting(|_| panic!("read while the owner is inside"), || false))
+    };
+    assert!(!reader.join().unwrap());
+    c.exit();
+    assert!(c.enter(), "the reader's flag came down when it gave up");
+    c.exit();
+}
+
+#[test]
 fn a_thief_takes_an_idle_cache_but_not_a_busy_one() {
     let c = CacheShared::new(1);
     let d = Depot::new(1);
