@@ -129,52 +129,87 @@ fn filled_cache(blocks: &[u64], cap: usize, depot: &Depot, h: &LocalHandle) -> C
     cs
 }
 
+/// The handshake models' world: a cache whose loaded magazine holds blocks 1 and 2 (the
+/// owner holds block 3, live), its stream's depot, and the retire queue a thief's and the
+/// owner's spills go to. The thread that makes it is the cache's owner.
+struct Handshake {
+    collector: Arc<Collector>,
+    depot: Arc<Depot>,
+    cs: Arc<CacheShared>,
+    retire: Arc<Stack<Span>>,
+}
+
+impl Handshake {
+    fn new() -> Handshake {
+        let collector = Arc::new(Collector::new());
+        let depot = Arc::new(Depot::new(1));
+        let cs = Arc::new(filled_cache(&[1, 2], 2, &depot, &collector.register()));
+        Handshake { collector, depot, cs, retire: Arc::new(Stack::new()) }
+    }
+
+    fn share(&self) -> Handshake {
+        Handshake {
+            collector: self.collector.clone(),
+            depot: self.depot.clone(),
+            cs: self.cs.clone(),
+            retire: self.retire.clone(),
+        }
+    }
+
+    /// The owner's part: allocate one block, free block 3; returns the block it holds.
+    fn owner_turn(&self) -> Option<u64> {
+        let h = self.collector.register();
+        let got = alloc(&self.cs, slot(2), &self.depot, &h);
+        for a in free(&self.cs, slot(2), 3, &self.depot, &h) {
+            self.retire.push(span(a));
+        }
+        got
+    }
+
+    /// A thief's take as the pool's trim and ladder make it: drain the magazines inside
+    /// the handshake (`steal` runs the closure only while holding it), retire the blocks
+    /// once outside. Returns whether the closure ran.
+    fn take(&self, steal: impl FnOnce(&CacheShared, &mut dyn FnMut(&CacheShared)) -> bool) -> bool {
+        let h = self.collector.register();
+        let mut taken = Vec::new();
+        let ran = steal(&self.cs, &mut |c| {
+            let g = h.pin();
+            // SAFETY: the steal holds the handshake while this runs.
+            unsafe { c.drain(&[], false, |_, a| taken.push(a), &g) }
+        });
+        assert!(ran || taken.is_empty(), "a refused thief takes nothing");
+        for &a in &taken {
+            self.retire.push(span(a));
+        }
+        ran
+    }
+
+    /// Every block is in exactly one of the owner's hands, the cache, the depot and the
+    /// retire queue, and `cached_bytes` matches the cache.
+    fn check(&self, in_hands: Option<u64>) {
+        let h = self.collector.register();
+        let mut all: Vec<u64> = in_hands.into_iter().collect();
+        all.extend(cache_contents(&self.cs));
+        all.extend(depot_contents(&self.depot, &h));
+        all.extend(retire_contents(&self.retire, &h));
+        assert_exactly_once(all, &[1, 2, 3]);
+    }
+}
+
 /// The idle-cache handshake. The owner allocates one block and frees another (fast paths
 /// and, when the thief got there first, the slow ones), while a thief takes whatever the
 /// cache holds as `steal_idle_caches` does. loom's cell checking fails any run where the
-/// two touch the magazines at once; at the end each block is in exactly one of the owner's
-/// hands, the cache and the thief's retire queue, and `cached_bytes` matches the cache.
+/// two touch the magazines at once; at the end each block is in exactly one place.
 #[test]
 fn owner_and_thief_never_hold_the_magazines_together() {
     loom::model(|| {
-        let collector = Arc::new(Collector::new());
-        let depot = Arc::new(Depot::new(1));
-        let cs = {
-            let h = collector.register();
-            // Loaded magazine [1, 2]; the owner holds block 3 (live).
-            Arc::new(filled_cache(&[1, 2], 2, &depot, &h))
-        };
-        let retire: Arc<Stack<Span>> = Arc::new(Stack::new());
+        let world = Handshake::new();
         let owner = {
-            let (cs, depot, retire, c) = (cs.clone(), depot.clone(), retire.clone(), collector.clone());
-            thread::spawn(move || {
-                let h = c.register();
-                let got = alloc(&cs, slot(2), &depot, &h);
-                for a in free(&cs, slot(2), 3, &depot, &h) {
-                    retire.push(span(a));
-                }
-                got
-            })
+            let world = world.share();
+            thread::spawn(move || world.owner_turn())
         };
-        // The thief, as the pool's trim and out-of-memory ladder run it: take the blocks
-        // inside the steal, retire them once outside.
-        let h = collector.register();
-        let mut taken = Vec::new();
-        let stolen = cs.try_steal(|c| {
-            let g = h.pin();
-            // SAFETY: try_steal holds the handshake while this runs.
-            unsafe { c.drain(&[], false, |_, a| taken.push(a), &g) }
-        });
-        assert!(stolen || taken.is_empty(), "a refused thief takes nothing");
-        for &a in &taken {
-            retire.push(span(a));
-        }
-        let in_hands = owner.join().unwrap();
-        let mut all: Vec<u64> = in_hands.into_iter().collect();
-        all.extend(cache_contents(&cs));
-        all.extend(depot_contents(&depot, &h));
-        all.extend(retire_contents(&retire, &h));
-        assert_exactly_once(all, &[1, 2, 3]);
+        world.take(|cs, f| cs.try_steal(f));
+        world.check(owner.join().unwrap());
     });
 }
 
@@ -186,45 +221,16 @@ fn owner_and_thief_never_hold_the_magazines_together() {
 #[test]
 fn a_waiting_reader_always_gets_in_and_never_beside_the_owner() {
     loom::model(|| {
-        let collector = Arc::new(Collector::new());
-        let depot = Arc::new(Depot::new(1));
-        // Made here, so this thread is the cache's owner (a reader on the owner's own
-        // thread only tries once).
-        let cs = {
-            let h = collector.register();
-            Arc::new(filled_cache(&[1, 2], 2, &depot, &h))
-        };
-        let retire: Arc<Stack<Span>> = Arc::new(Stack::new());
+        // Made here, so this thread is the owner (on the owner's own thread a reader only
+        // tries once).
+        let world = Handshake::new();
         let reader = {
-            let (cs, retire, c) = (cs.clone(), retire.clone(), collector.clone());
-            thread::spawn(move || {
-                let h = c.register();
-                let mut taken = Vec::new();
-                let read = cs.steal_waiting(
-                    |c| {
-                        let g = h.pin();
-                        // SAFETY: steal_waiting holds the handshake while this runs.
-                        unsafe { c.drain(&[], false, |_, a| taken.push(a), &g) }
-                    },
-                    || true,
-                );
-                for &a in &taken {
-                    retire.push(span(a));
-                }
-                read
-            })
+            let world = world.share();
+            thread::spawn(move || world.take(|cs, f| cs.steal_waiting(f, || true)))
         };
-        let h = collector.register();
-        let got = alloc(&cs, slot(2), &depot, &h);
-        for a in free(&cs, slot(2), 3, &depot, &h) {
-            retire.push(span(a));
-        }
+        let in_hands = world.owner_turn();
         assert!(reader.join().unwrap(), "a patient reader always gets the cache");
-        let mut all: Vec<u64> = got.into_iter().collect();
-        all.extend(cache_contents(&cs));
-        all.extend(depot_contents(&depot, &h));
-        all.extend(retire_contents(&retire, &h));
-        assert_exactly_once(all, &[1, 2, 3]);
+        world.check(in_hands);
     });
 }
 
