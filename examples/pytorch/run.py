@@ -190,6 +190,7 @@ def child(args) -> int:
     checks["memory_history"] = vp_checks.memory_history(backend)
     checks["oom_observer"] = vp_checks.oom_observer(backend)
     checks["cuda_graph"] = vp_checks.cuda_graph(backend)
+    checks["mem_pool"] = vp_checks.mem_pool(backend)
     report["pytorch_stats_calls"] = vp_checks.pytorch_stats_calls()
     report["tensor_pairs"] = vp_checks.tensor_pairs(5_000 if args.quick else 20_000)
     report["wrapper_cost"] = vp_checks.wrapper_cost(backend, args.quick)

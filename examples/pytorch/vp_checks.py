@@ -353,6 +353,41 @@ def memory_snapshot(backend) -> dict:
     return r
 
 
+def _in_segments(segments: list, ptr: int) -> bool:
+    return any(seg["address"] <= ptr < seg["address"] + seg["total_size"] for seg in segments)
+
+
+def mem_pool(backend) -> dict:
+    """torch.cuda.MemPool and use_mem_pool: tensors made inside the context live in the
+    pool (its memory_snapshot lists segments holding them), one made outside does not, the
+    pool's use count reads 1, 2 inside the context and 1 again after it, and every tensor
+    keeps its values. Under vrampool the pool is a graph pool, through the C++ wrapper."""
+    if backend.name == "vrampool" and backend.hooks != "cpp":
+        return {"skipped": "MemPool comes through the C++ wrapper's allocator", "ok": True}
+    torch.cuda.synchronize()
+    pool = torch.cuda.MemPool()
+    counts = [pool.use_count()]
+    with torch.cuda.use_mem_pool(pool):
+        counts.append(pool.use_count())
+        inside = [torch.full((1 << 20,), i, dtype=torch.uint8, device="cuda") for i in range(4)]
+    counts.append(pool.use_count())
+    outside = torch.full((1 << 20,), 9, dtype=torch.uint8, device="cuda")
+    segments = torch.cuda.memory_snapshot(pool.id)
+    r = {
+        "use_counts": counts,
+        "pool_segments": len(segments),
+        "inside_in_pool": sum(_in_segments(segments, t.data_ptr()) for t in inside),
+        "outside_in_pool": _in_segments(segments, outside.data_ptr()),
+    }
+    torch.cuda.synchronize()
+    r["values_kept"] = all(bool((t == i).all().item()) for i, t in enumerate(inside)) and bool((outside == 9).all().item())
+    del inside, outside, pool
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    r["ok"] = (counts == [1, 2, 1] and r["inside_in_pool"] == 4 and not r["outside_in_pool"] and r["values_kept"])
+    return r
+
+
 def _marked_allocation(nbytes: int) -> torch.Tensor:
     """A tensor allocated under a name to find in its stack."""
     return torch.empty(nbytes, dtype=torch.uint8, device="cuda")

@@ -16,7 +16,9 @@
 // - getMemoryFraction: vrampool's limit over the device's memory;
 // - attachOutOfMemoryObserver: observers (torch._C._cuda_attach_out_of_memory_observer)
 //   are called before an out-of-memory error is thrown;
-// - shareIpcHandle raises with the reason CUDA IPC cannot share vrampool's memory.
+// - shareIpcHandle raises with the reason CUDA IPC cannot share vrampool's memory;
+// - createOrIncrefPool, getPoolUseCount and setUseOnOOM (off only): torch.cuda.MemPool and
+//   use_mem_pool, on vrampool's graph pools.
 
 #include <algorithm>
 #include <cstdio>
@@ -379,6 +381,31 @@ struct StatsAllocator : torch::cuda::CUDAPluggableAllocator::CUDAPluggableAlloca
     const std::string j = stats_json(device);
     const double total = static_cast<double>(stat_of(j, "device_memory_bytes"));
     return total > 0 ? static_cast<double>(stat_of(j, "max_reserved_bytes")) / total : 1.0;
+  }
+
+  // torch.cuda.MemPool and use_mem_pool: the pool is a vrampool graph pool, which keeps its
+  // memory apart from every other allocation until its last use is released, as PyTorch's
+  // private pools do; use_mem_pool's begin, end and release are the graph-pool hooks'. A
+  // pool with an allocator of its own (ncclMemAlloc, say) is not vrampool's to serve.
+  void createOrIncrefPool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id,
+                          std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> allocator) override {
+    if (allocator != nullptr) {
+      throw_error(false, "vrampool: a torch.cuda.MemPool with an allocator of its own is not served by vrampool");
+    }
+    create_or_incref_pool(device, mempool_id);
+  }
+
+  int getPoolUseCount(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id) override {
+    return pool_use_count(device, mempool_id);
+  }
+
+  // MemPool's destructor turns use_on_oom off on every pool; vrampool never lends a pool's
+  // memory to other allocations, so off is what it does, and on is refused.
+  void setUseOnOOM(c10::DeviceIndex /*device*/, c10::cuda::MempoolId_t /*mempool_id*/, bool use_on_oom) override {
+    if (use_on_oom) {
+      throw_error(false, "vrampool: a torch.cuda.MemPool cannot serve other allocations when memory runs out "
+                         "(use_on_oom=True)");
+    }
   }
 
   void attachOutOfMemoryObserver(c10::cuda::CUDACachingAllocator::OutOfMemoryObserver observer) override {

@@ -24,8 +24,8 @@
 //    vrampool_set_memory_fraction), which throws when the fraction is refused.
 // 2b. CUDA graphs: set_begin_allocate_to_pool / set_end_allocate_to_pool_fn /
 //    set_release_pool. PyTorch opens a private pool before every capture
-//    (CUDAGraph::capture_begin, make_graphed_callables, torch.cuda.MemPool) with a filter
-//    that names the capturing stream; while one is open, the alloc function asks each open
+//    (CUDAGraph::capture_begin, make_graphed_callables, torch.cuda.use_mem_pool) with a
+//    filter that names the capturing stream (or, for use_mem_pool, the calling thread); while one is open, the alloc function asks each open
 //    pool's filter and sends a match to vrampool_malloc_to_pool, so that what a graph
 //    captures is memory nothing else gets until the graph is released. The begin hook also
 //    tells vrampool a capture is underway: from then on it checks streams for capture
@@ -65,6 +65,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -263,6 +264,20 @@ std::atomic<uint64_t> graph_errors{0};
 std::mutex graph_error_lock;
 std::string graph_last_error;
 
+// Each pool's uses as PyTorch counts them (getPoolUseCount): one per begin and per
+// createOrIncrefPool (a torch.cuda.MemPool), less one per release. vrampool keeps the same
+// count (a pool goes back only once every use was released) but does not export it.
+std::map<std::tuple<int, uint64_t, uint64_t>, int> pool_uses;  // under open_lock
+std::atomic<bool> graph_hooks_on{false};
+
+void count_use(int device, c10::cuda::MempoolId_t id, int by) {
+  const std::lock_guard<std::mutex> held(open_lock);
+  const auto key = std::make_tuple(device, static_cast<uint64_t>(id.first), static_cast<uint64_t>(id.second));
+  if ((pool_uses[key] += by) <= 0) {
+    pool_uses.erase(key);
+  }
+}
+
 void graph_failed(const char* what) {
   graph_errors.fetch_add(1, std::memory_order_relaxed);
   const std::lock_guard<std::mutex> held(graph_error_lock);
@@ -285,6 +300,7 @@ void begin_pool_hook(int device, c10::cuda::MempoolId_t id, std::function<bool(c
   if (lib.begin_pool(device, id.first, id.second) != 0) {
     throw_error(false, "vrampool_begin_allocate_to_pool failed: " + last_error_or("no message"));
   }
+  count_use(device, id, 1);
   const std::lock_guard<std::mutex> held(open_lock);
   open_pools.push_back(OpenPool{device, id, std::move(filter)});
   open_count.fetch_add(1, std::memory_order_release);
@@ -307,12 +323,40 @@ void end_pool_hook(int device, c10::cuda::MempoolId_t id) {
 }
 
 void release_pool_hook(int device, c10::cuda::MempoolId_t id) {
+  count_use(device, id, -1);
   if (lib.release_pool(device, id.first, id.second) != 0) {
     graph_failed("vrampool_release_pool");
   }
 }
 
 }  // namespace
+
+namespace vh {
+
+void create_or_incref_pool(int device, c10::cuda::MempoolId_t id) {
+  if (!graph_hooks_on.load(std::memory_order_acquire)) {
+    throw_error(false,
+                "vrampool: torch.cuda.MemPool needs the graph-pool hooks (set_hooks(graph_pools=True)) and a "
+                "library with vrampool_begin_allocate_to_pool");
+  }
+  // A use that opens nothing: vrampool counts a begin as a use until its release.
+  if (lib.begin_pool(device, id.first, id.second) != 0) {
+    throw_error(false, "vrampool_begin_allocate_to_pool failed: " + last_error_or("no message"));
+  }
+  count_use(device, id, 1);
+  if (lib.end_pool(device, id.first, id.second) != 0) {
+    graph_failed("vrampool_end_allocate_to_pool");
+  }
+}
+
+int pool_use_count(int device, c10::cuda::MempoolId_t id) {
+  const std::lock_guard<std::mutex> held(open_lock);
+  const auto it =
+      pool_uses.find(std::make_tuple(device, static_cast<uint64_t>(id.first), static_cast<uint64_t>(id.second)));
+  return it == pool_uses.end() ? 0 : it->second;
+}
+
+}  // namespace vh
 
 VH_EXPORT void* vrampool_hooks_malloc(ssize_t size, int device, void* stream) {
   require_bound();
@@ -459,6 +503,7 @@ std::string set_hooks(bool record_stream, bool empty_cache, bool graph_pools) {
   require_bound();
   auto& a = pluggable();
   const bool graphs = graph_pools && lib.malloc_to_pool != nullptr;
+  graph_hooks_on.store(graphs, std::memory_order_release);
   using BeginFn = std::function<void(int, c10::cuda::MempoolId_t, std::function<bool(cudaStream_t)>)>;
   using PoolHookFn = std::function<void(int, c10::cuda::MempoolId_t)>;
   a.set_begin_allocate_to_pool(graphs ? BeginFn(begin_pool_hook) : BeginFn());

@@ -91,6 +91,12 @@ std::string num(long long v);
 void require_bound();
 [[noreturn]] void throw_error(bool oom, const std::string& msg);
 
+// torch.cuda.MemPool: a use of graph pool `id` that opens nothing (its constructor's
+// createOrIncrefPool; its destructor's releasePool is the release hook's), and the uses
+// counted so far (getPoolUseCount). Both in vrampool_hooks.cpp, beside the pool hooks.
+void create_or_incref_pool(int device, c10::cuda::MempoolId_t id);
+int pool_use_count(int device, c10::cuda::MempoolId_t id);
+
 // ---- vrampool_allocator.cpp -------------------------------------------------------------
 
 // Make the allocator object PyTorch's CUDA allocator (before CUDA is initialised); its name.
