@@ -85,8 +85,9 @@ pub struct Snapshot {
     pub device: String,
     /// Bytes per mapped page.
     pub page_size: u64,
-    /// False if some thread cache could not be read (its owner stayed inside it): its blocks
-    /// then show as live. Always true on a quiet pool.
+    /// False if some thread cache could not be read (its owner stayed inside one operation
+    /// for longer than the walk waits, 20 ms: one waiting on the device): its blocks then
+    /// show as live. Always true on a quiet pool.
     pub exact: bool,
     /// Whether live extents are single blocks with their sites (`PoolConfig::track_sites`).
     pub sites_tracked: bool,
