@@ -603,8 +603,9 @@ impl CacheShared {
             return self.try_steal(f);
         }
         // Another thief (a trim, a ladder taking idle caches) holds the flag only while it
-        // moves the magazines.
-        while self.steal.swap(true, Ordering::AcqRel) {
+        // moves the magazines. Read before each swap: a waiter writes the flag (and takes
+        // its line from that thief) only when it may win it.
+        while self.steal.load(Ordering::Acquire) || self.steal.swap(true, Ordering::AcqRel) {
             if !patient() {
                 return false;
             }
