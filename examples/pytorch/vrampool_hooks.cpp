@@ -339,14 +339,10 @@ void create_or_incref_pool(int device, c10::cuda::MempoolId_t id) {
                 "vrampool: torch.cuda.MemPool needs the graph-pool hooks (set_hooks(graph_pools=True)) and a "
                 "library with vrampool_begin_allocate_to_pool");
   }
-  // A use that opens nothing: vrampool counts a begin as a use until its release.
-  if (lib.begin_pool(device, id.first, id.second) != 0) {
-    throw_error(false, "vrampool_begin_allocate_to_pool failed: " + last_error_or("no message"));
-  }
-  count_use(device, id, 1);
-  if (lib.end_pool(device, id.first, id.second) != 0) {
-    graph_failed("vrampool_end_allocate_to_pool");
-  }
+  // A use that opens nothing: a begin (counted as a use until its release) whose empty
+  // filter names no stream, ended at once.
+  begin_pool_hook(device, id, {});
+  end_pool_hook(device, id);
 }
 
 int pool_use_count(int device, c10::cuda::MempoolId_t id) {

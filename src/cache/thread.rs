@@ -567,25 +567,11 @@ impl CacheShared {
         moved
     }
 
-    /// As a thief: take the handshake if the owner is not inside an operation. On success
-    /// run `f` with the magazines held, then let go; returns whether `f` ran.
+    /// As a thief: take the handshake if the owner is not inside an operation (and no other
+    /// thief holds it). On success run `f` with the magazines held, then let go; returns
+    /// whether `f` ran.
     pub fn try_steal(&self, f: impl FnOnce(&Self)) -> bool {
-        if self.steal.swap(true, Ordering::AcqRel) {
-            // Another thief is at it.
-            return false;
-        }
-        if !heavy_fence() {
-            self.steal.store(false, Ordering::Release);
-            return false;
-        }
-        // Acquire: pairs with the owner's Release in `exit`, so its last writes are visible.
-        if self.in_use.load(Ordering::Acquire) {
-            self.steal.store(false, Ordering::Release);
-            return false;
-        }
-        f(self);
-        self.steal.store(false, Ordering::Release);
-        true
+        self.steal_with(f, || false)
     }
 
     /// As a reader that must see this cache (a snapshot): take the handshake, waiting for
@@ -597,11 +583,18 @@ impl CacheShared {
     /// operations. `patient` is asked between looks and ends the wait when it says no
     /// (an operation that waits on the device can take a while); it also waits out another
     /// thief. On the owner's own thread it tries once. Returns whether `f` ran.
-    pub fn steal_waiting(&self, f: impl FnOnce(&Self), mut patient: impl FnMut() -> bool) -> bool {
+    pub fn steal_waiting(&self, f: impl FnOnce(&Self), patient: impl FnMut() -> bool) -> bool {
         if self.owner == current_thread().id() {
             // The owner may be inside an operation further up its own stack.
             return self.try_steal(f);
         }
+        self.steal_with(f, patient)
+    }
+
+    /// The thief's side of the handshake: raise `steal`, fence, and run `f` once `in_use`
+    /// is down, asking `patient` before each further look at either flag (never patient:
+    /// one look each).
+    fn steal_with(&self, f: impl FnOnce(&Self), mut patient: impl FnMut() -> bool) -> bool {
         // Another thief (a trim, a ladder taking idle caches) holds the flag only while it
         // moves the magazines. Read before each swap: a waiter writes the flag (and takes
         // its line from that thief) only when it may win it.
@@ -615,7 +608,8 @@ impl CacheShared {
             self.steal.store(false, Ordering::Release);
             return false;
         }
-        // Acquire: pairs with the owner's Release in `exit` (or in `enter`'s backing off).
+        // Acquire: pairs with the owner's Release in `exit` (or in `enter`'s backing off),
+        // so its last writes to the magazines are visible.
         while self.in_use.load(Ordering::Acquire) {
             if !patient() {
                 self.steal.store(false, Ordering::Release);

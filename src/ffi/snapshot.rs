@@ -29,8 +29,8 @@ use super::words;
 use super::{vrampool_extent, vrampool_extent_state};
 use crate::live::GRAIN;
 use crate::pool::class_and_size;
-use crate::registry::{self, Entry, MAX_DEVICES};
-use crate::{BlockState, Error, Result, Snapshot, StreamId};
+use crate::registry::{self, Entry};
+use crate::{BlockState, Result, Snapshot, StreamId};
 
 /// A live block as the picture shows it: (address, bytes held, bytes asked for, stream
 /// handle), lowest address first.
@@ -40,9 +40,7 @@ type Live = (u64, u64, u64, u64);
 /// graph pool. A device the ABI has not used has none (and nothing is made for it).
 pub(super) fn extents(ordinal: usize) -> Result<Vec<vrampool_extent>> {
     registry::config()?;
-    if ordinal >= MAX_DEVICES {
-        return Err(Error::InvalidArgument(format!("device {ordinal}: at most {MAX_DEVICES} devices")));
-    }
+    registry::served(ordinal)?;
     let Some(dev) = device::existing(ordinal) else { return Ok(Vec::new()) };
     super::foreign::settle(true);
     let snapshot = dev.entry.pool.snapshot();

@@ -222,12 +222,20 @@ pub(crate) fn entries() -> impl Iterator<Item = &'static Entry> {
     ENTRIES.iter().filter_map(|p| unsafe { p.load(Ordering::Acquire).as_ref() })
 }
 
+/// Whether the registry serves ordinal `device` (below [`MAX_DEVICES`]).
+pub(crate) fn served(device: usize) -> Result<()> {
+    if device < MAX_DEVICES {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!("device {device}: the registry serves ordinals 0 to {}", MAX_DEVICES - 1)))
+    }
+}
+
 /// Device `device`'s entry, made on first use.
 #[inline]
 pub(crate) fn entry(device: usize) -> Result<&'static Entry> {
-    let slot = ENTRIES
-        .get(device)
-        .ok_or_else(|| Error::InvalidArgument(format!("device {device}: the registry serves ordinals 0 to 63")))?;
+    served(device)?;
+    let slot = &ENTRIES[device];
     // SAFETY: as in `entries`.
     match unsafe { slot.load(Ordering::Acquire).as_ref() } {
         Some(e) => Ok(e),
