@@ -2,8 +2,8 @@
 //! words, and inside one word, where a claim is a single CAS with no `in_flight` bracket), a
 //! claim racing a free of the neighbouring run, a rollback racing another claim, a racing
 //! double free that must not touch other blocks, the hint kept low by the frees into full
-//! words alone, and a scored allocation (which chooses before it claims) losing its run or
-//! racing a free.
+//! words alone, a scored allocation (which chooses before it claims) losing its run or
+//! racing a free, and an allocation above a floor racing a free there.
 //!
 //! Tiny configurations (128 granules: two bitmap words, one chunk) and two threads, so each
 //! model runs in seconds at `LOOM_MAX_PREEMPTIONS=2`:
@@ -325,5 +325,28 @@ fn a_scored_allocation_racing_a_free_takes_the_new_room_or_none() {
             live.push((a, 40 * G));
         }
         check_quiet(&e, &live);
+    });
+}
+
+/// An allocation above a floor (as the space places chunks) racing a free above it, with the
+/// whole range below the floor free throughout: it takes the freed run or answers `None`
+/// (ordered before the free, after a confirming walk), and never lands below the floor.
+#[test]
+fn an_allocation_above_a_floor_racing_a_free_there_never_goes_below_it() {
+    loom::model(|| {
+        let e = Arc::new(Extents::new(0, RANGE, G).unwrap());
+        assert_eq!(e.alloc_above(32 * G, 1, 64 * G, &mut |_, _| Ok(())), Some(64 * G));
+        assert_eq!(e.alloc_above(32 * G, 1, 64 * G, &mut |_, _| Ok(())), Some(96 * G));
+        let e1 = e.clone();
+        let t = thread::spawn(move || assert!(e1.free(64 * G, 32 * G)));
+        let got = e.alloc_above(16 * G, 1, 64 * G, &mut |_, _| Ok(()));
+        t.join().unwrap();
+        let mut live = vec![(96 * G, 32 * G)];
+        if let Some(a) = got {
+            assert_eq!(a, 64 * G, "the freed run, never below the floor");
+            live.push((a, 16 * G));
+        }
+        check_quiet(&e, &live);
+        check_quiet_first_fit(&e);
     });
 }

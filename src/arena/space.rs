@@ -6,7 +6,9 @@
 //! * [`Extents`] of [`GRANULE`]s over `[base, base + len)`: blocks of `large` bytes and more
 //!   are placed there first fit, end to end (the next block starts where the last ended, so
 //!   no page tail is left to small blocks only); so are the 2 MiB chunks ([`CHUNK`]) that
-//!   streams hold for their small blocks (each stream's [`super::StreamArena`]).
+//!   streams hold for their small blocks (each stream's [`super::StreamArena`]), first fit
+//!   from the middle of the range (the chunk floor), and below it only when nothing above
+//!   fits.
 //! * One fence word per granule (`crate::reclaim::fence`): for a free granule, the stream
 //!   that freed it and the event number that makes it safe for other streams, packed by
 //!   [`fence_word`]; 0 is "free for everyone". A granule's fence is written by the thread
@@ -34,8 +36,19 @@
 //! # Why
 //!
 //! One range for every size keeps pages shared: a page wholly free of large blocks can hold
-//! a chunk, and the other way round, with no page traded between halves of the range. The
-//! fences let freed memory go back at once — reusable by its own stream straight away, by
+//! a chunk, and the other way round. Chunks still start from the middle of it, away from the
+//! large blocks, because a chunk among large blocks splits the free run around it for as
+//! long as one small block lives there: the next large block then goes higher, on pages
+//! that must be mapped or lent. Apart, each kind packs with its own. The pages move between
+//! the halves as loans do, with no device wait (`pages::lend`), and the lower half of the
+//! range is at least `max_reserved` long (the pool reserves twice that at least), so large
+//! blocks never run short of addresses there; a chunk takes a run below the floor only when
+//! none above it fits. On the shared traces (simulator, `docs/BENCHMARKS.md`, twenty-fourth
+//! session) peak reserved ÷ peak live fell on seven of ten (gpt2_train_4streams 1.073 →
+//! 1.026, pipeline_side_stream 1.082 → 1.062) and rose on two (bert_dynamic 1.044 → 1.052,
+//! threads_streams 1.043 → 1.046); what it costs elsewhere is in `IMPLEMENTATION.md`.
+//!
+//! The fences let freed memory go back at once — reusable by its own stream straight away, by
 //! another once the fence's event is complete or the other stream waits on it on the
 //! device — instead of waiting in a batch for the host to see an event.
 //!
@@ -86,6 +99,8 @@ pub struct Space {
     /// One per chunk: `(slot << 32 | idx) + 1`, or 0.
     owners: LazyWords,
     large: u64,
+    /// Where chunks are placed from (see the module docs).
+    chunk_floor: u64,
 }
 
 impl std::fmt::Debug for Space {
@@ -111,6 +126,7 @@ impl Space {
             summaries: LazyWords::new((len >> CHUNK_ORDER) as usize),
             owners: LazyWords::new((len >> CHUNK_ORDER) as usize),
             large: large.clamp(GRANULE, CHUNK),
+            chunk_floor: base + (len / 2).next_multiple_of(CHUNK),
         })
     }
 
@@ -159,9 +175,25 @@ impl Space {
         self.extents.alloc_scored_with(size, accept, score)
     }
 
-    /// A chunk (CHUNK-aligned), first fit among those `accept` takes.
+    /// A chunk (CHUNK-aligned), first fit from the chunk floor among those `accept` takes;
+    /// below the floor only when no chunk-sized run is free above it at all (see the module
+    /// docs). A run above that `accept` refuses (its page not mapped, where the placement
+    /// may not map) sends the placement on to its next rung, not below the floor: there a
+    /// chunk would split the large blocks' free runs again.
     pub fn alloc_chunk(&self, accept: &mut dyn FnMut(u64, u64) -> Result<(), u64>) -> Option<u64> {
-        self.extents.alloc_with(CHUNK, CHUNK / GRANULE, accept)
+        let (size, align) = (CHUNK, CHUNK / GRANULE);
+        self.extents.alloc_above(size, align, self.chunk_floor, accept).or_else(|| {
+            if self.extents.has_room_above(size, align, self.chunk_floor) {
+                None
+            } else {
+                self.extents.alloc_with(size, align, accept)
+            }
+        })
+    }
+
+    /// Where chunks are placed from: the middle of the range (see the module docs).
+    pub fn chunk_floor(&self) -> u64 {
+        self.chunk_floor
     }
 
     /// Call `f(start, end, fence word)` on each run of granules of `[addr, addr + len)` that
@@ -496,14 +528,40 @@ mod tests {
         let s = Space::new(BASE, 64 * CHUNK, 2 * CHUNK).unwrap();
         let x = s.alloc_large(GRANULE, &mut |_, _| Ok(())).unwrap();
         let c = s.alloc_chunk(&mut |_, _| Ok(())).unwrap();
-        assert_eq!((x, c), (BASE, BASE + CHUNK), "the chunk starts at the next chunk boundary");
-        assert_eq!(s.alloc_large(GRANULE, &mut |_, _| Ok(())), Some(BASE + GRANULE), "the gap serves large blocks");
+        assert_eq!((x, c), (BASE, BASE + 32 * CHUNK), "the chunk starts at the floor");
         s.set_owner(c, 3, 9);
         assert_eq!(s.owner(c + 12345), Some((3, 9)));
         assert_eq!(s.owner(x), None);
         s.clear_owner(c);
         assert_eq!(s.owner(c), None);
         assert_eq!(s.owner(BASE - 1), None);
+    }
+
+    #[test]
+    fn chunks_pack_from_the_floor_and_large_blocks_from_the_bottom() {
+        let s = Space::new(BASE, 8 * CHUNK, 2 * CHUNK).unwrap();
+        let any = &mut |_, _| Ok(());
+        assert_eq!(s.chunk_floor(), BASE + 4 * CHUNK);
+        let chunks: Vec<u64> = (0..4).map(|_| s.alloc_chunk(any).unwrap()).collect();
+        assert_eq!(chunks, (4..8).map(|i| BASE + i * CHUNK).collect::<Vec<_>>(), "first fit above the floor");
+        assert_eq!(s.alloc_large(3 * GRANULE, any), Some(BASE), "large blocks start at the bottom");
+        assert_eq!(s.alloc_large(2 * CHUNK, any), Some(BASE + 3 * GRANULE), "and pack below the chunks");
+    }
+
+    #[test]
+    fn a_chunk_goes_below_the_floor_only_when_no_room_is_left_above() {
+        let s = Space::new(BASE, 8 * CHUNK, 2 * CHUNK).unwrap();
+        let any = &mut |_, _| Ok(());
+        let above: Vec<u64> = (0..4).map(|_| s.alloc_chunk(any).unwrap()).collect();
+        assert_eq!(s.alloc_chunk(any), Some(BASE), "the upper half is full: the lowest fit below");
+        // Room above that `accept` refuses (say, unmapped where the rung may not map) is
+        // still room: no chunk goes below for it.
+        assert!(s.free(above[1], CHUNK, fence_word(1, 1)));
+        let floor = s.chunk_floor();
+        let refuse_above = &mut |a: u64, _| if a >= floor { Err(a) } else { Ok(()) };
+        assert_eq!(s.alloc_chunk(refuse_above), None);
+        assert_eq!(s.alloc_chunk(any), Some(above[1]), "freed above the floor: taken again first");
+        assert_eq!(s.alloc_chunk(any), Some(BASE + CHUNK));
     }
 
     #[test]

@@ -419,12 +419,60 @@ impl Extents {
         align: u64,
         accept: &mut dyn FnMut(u64, u64) -> Result<(), u64>,
     ) -> Option<u64> {
+        self.alloc_from(bytes, align, None, accept)
+    }
+
+    /// [`Extents::alloc_with`] at `floor` (an address) or above: the lowest run there, as if
+    /// the range began at `floor`. Below it nothing is walked, and the hint is neither read
+    /// past nor raised (it speaks for the whole range). `None` when no run at or above
+    /// `floor` fits, confirmed as for `alloc_with`.
+    pub fn alloc_above(
+        &self,
+        bytes: u64,
+        align: u64,
+        floor: u64,
+        accept: &mut dyn FnMut(u64, u64) -> Result<(), u64>,
+    ) -> Option<u64> {
+        let g = floor.saturating_sub(self.base) >> self.shift;
+        if g >= self.granules {
+            return None;
+        }
+        self.alloc_from(bytes, align, Some(g), accept)
+    }
+
+    /// Whether a run of `bytes` (aligned as for [`Extents::alloc_with`]) is free at `floor`
+    /// or above, whoever's memory it was: one walk, claiming nothing, a snapshot of a moment.
+    pub fn has_room_above(&self, bytes: u64, align: u64, floor: u64) -> bool {
+        let g = floor.saturating_sub(self.base) >> self.shift;
+        if bytes == 0 || bytes > self.len || !align.is_power_of_two() || g >= self.granules {
+            return false;
+        }
+        let k = bytes.div_ceil(self.granule());
+        let mut restart = Some(g);
+        loop {
+            match self.first_fit_with(k, align, restart, &mut |_| Ok(())) {
+                Fit::At(_) => return true,
+                Fit::RestartAt(c) => restart = Some(c),
+                Fit::None => return false,
+            }
+        }
+    }
+
+    /// [`Extents::alloc_with`] from granule `floor` up (the whole range for `None`).
+    fn alloc_from(
+        &self,
+        bytes: u64,
+        align: u64,
+        floor: Option<u64>,
+        accept: &mut dyn FnMut(u64, u64) -> Result<(), u64>,
+    ) -> Option<u64> {
         if bytes == 0 || bytes > self.len || !align.is_power_of_two() || align > self.granules {
             return None;
         }
         let k = bytes.div_ceil(self.granule());
         let len = k << self.shift;
-        let (mut confirming, mut restart) = (false, None::<u64>);
+        // Every walk starts at the floor or past it: a restart only ever moves up.
+        let (mut confirming, mut restart) = (false, floor);
         // Give-backs of refused blocks made by this call: `changes` moves by these alone
         // when nobody else changed anything.
         let mut own = 0usize;
@@ -442,7 +490,7 @@ impl Extents {
                     Ok(addr) => return Some(addr),
                     Err(None) => {
                         // Lost the run to another claim: someone made progress; walk again.
-                        (confirming, restart) = (false, None);
+                        (confirming, restart) = (false, floor);
                         continue;
                     }
                     Err(Some(bad)) => {
@@ -472,7 +520,7 @@ impl Extents {
             // Confirm a failure with a second walk, its reads ordered after `before`'s: the
             // first may have missed granules a rollback held, and the counters read after
             // this one tell. From the hint, not word 0 (module docs).
-            (confirming, restart) = (true, None);
+            (confirming, restart) = (true, floor);
         }
     }
 

@@ -235,6 +235,37 @@ fn the_hint_skips_the_full_prefix_and_comes_back_down_on_free() {
     assert_eq!(e.alloc(G), Some(5 * G));
 }
 
+#[test]
+fn an_allocation_above_a_floor_is_the_first_fit_from_there_and_leaves_the_hint() {
+    let e = Extents::new(1 << 30, 1024 * G, G).unwrap();
+    let floor = (1 << 30) + 300 * G + G / 2;
+    let any = &mut |_, _| Ok(());
+    assert_eq!(e.alloc_above(2 * G, 1, floor, any), Some((1 << 30) + 300 * G), "the floor's own granule");
+    assert_eq!(e.alloc_above(4 * G, 4, floor, any), Some((1 << 30) + 304 * G), "aligned from the base");
+    assert_eq!(e.hint.load(Ordering::Acquire) & HINT_INDEX, 0, "the prefix below the floor is not full");
+    assert_eq!(e.alloc(G), Some(1 << 30), "below the floor, first fit as before");
+    assert!(e.free((1 << 30) + 300 * G, 2 * G));
+    // Refused above: the walk goes on upwards, never below the floor.
+    let refuse_first = &mut |a: u64, _| if a < (1 << 30) + 400 * G { Err(a) } else { Ok(()) };
+    assert_eq!(e.alloc_above(G, 1, floor, refuse_first), Some((1 << 30) + 400 * G));
+    assert_eq!(e.alloc_above(G, 1, (1 << 30) + 1024 * G, any), None, "a floor past the end");
+    assert_eq!(e.alloc_above(G, 1, 0, any), Some((1 << 30) + G), "a floor below the base: the whole range");
+}
+
+#[test]
+fn an_allocation_above_a_full_floor_region_is_none_with_room_below() {
+    let e = Extents::new(0, 128 * G, G).unwrap();
+    let any = &mut |_, _| Ok(());
+    assert_eq!(e.alloc_above(64 * G, 1, 64 * G, any), Some(64 * G));
+    assert_eq!(e.alloc_above(G, 1, 64 * G, any), None, "nothing at or above the floor");
+    assert_eq!(e.free_bytes(), 64 * G, "all of it below");
+    assert_eq!(e.alloc_with(G, 1, any), Some(0));
+    assert!(!e.has_room_above(G, 1, 64 * G));
+    assert!(e.free(96 * G, 32 * G));
+    assert!(e.has_room_above(32 * G, 32, 64 * G) && !e.has_room_above(32 * G, 64, 64 * G), "aligned runs only");
+    assert!(e.has_room_above(32 * G, 1, 0) && !e.has_room_above(G, 1, 128 * G));
+}
+
 // ---- a sequential model ----
 
 const RANGE: u64 = 256 * MIB;
