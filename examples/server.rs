@@ -26,7 +26,8 @@
 //! where there is a GPU, `--costs` gives it an H200 driver's costs; `--map-run-pages` sets
 //! `PoolConfig::map_run_pages` (default 1: single pages, which can be lent); `--no-trade`
 //! turns `PoolConfig::trade_pages_on_map` off (past its peak the pool maps new pages and
-//! lends none).
+//! lends none). `RUST_LOG=vrampool=debug` shows the pool's slow paths on stderr (why a
+//! placement that may map failed, before the ladder's host waits).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -255,6 +256,11 @@ fn mib(b: u64) -> f64 {
 
 fn main() {
     let args = parse_args();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .try_init();
     let (device, sim, why) = gpu_or_sim(args.sim, 80 << 30, args.costs);
     println!("device: {why}");
     println!(

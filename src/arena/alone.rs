@@ -61,7 +61,7 @@ impl AloneStream<'_> {
             if let Some(a) = self.arena.alloc(size) {
                 return Some(a);
             }
-            let chunk = self.space.alloc_chunk(accept)?;
+            let chunk = self.space.alloc_chunk(false, accept)?;
             let idx = self.arena.reserve(chunk)?;
             self.space.set_owner(chunk, self.slot, idx);
             self.arena.publish(idx);

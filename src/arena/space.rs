@@ -177,13 +177,18 @@ impl Space {
 
     /// A chunk (CHUNK-aligned), first fit from the chunk floor among those `accept` takes;
     /// below the floor only when no chunk-sized run is free above it at all (see the module
-    /// docs). A run above that `accept` refuses (its page not mapped, where the placement
-    /// may not map) sends the placement on to its next rung, not below the floor: there a
-    /// chunk would split the large blocks' free runs again.
-    pub fn alloc_chunk(&self, accept: &mut dyn FnMut(u64, u64) -> Result<(), u64>) -> Option<u64> {
+    /// docs), or, with `below_if_refused`, whenever `accept` refused every run above. A run
+    /// above that `accept` refuses (its page not mapped, where the placement may not map)
+    /// otherwise sends the placement on to its next rung, not below the floor: there a chunk
+    /// would split the large blocks' free runs again.
+    pub fn alloc_chunk(
+        &self,
+        below_if_refused: bool,
+        accept: &mut dyn FnMut(u64, u64) -> Result<(), u64>,
+    ) -> Option<u64> {
         let (size, align) = (CHUNK, CHUNK / GRANULE);
         self.extents.alloc_above(size, align, self.chunk_floor, accept).or_else(|| {
-            if self.extents.has_room_above(size, align, self.chunk_floor) {
+            if !below_if_refused && self.extents.has_room_above(size, align, self.chunk_floor) {
                 None
             } else {
                 self.extents.alloc_with(size, align, accept)
@@ -527,7 +532,7 @@ mod tests {
     fn chunks_are_aligned_and_their_owner_is_found_from_any_address_in_them() {
         let s = Space::new(BASE, 64 * CHUNK, 2 * CHUNK).unwrap();
         let x = s.alloc_large(GRANULE, &mut |_, _| Ok(())).unwrap();
-        let c = s.alloc_chunk(&mut |_, _| Ok(())).unwrap();
+        let c = s.alloc_chunk(false, &mut |_, _| Ok(())).unwrap();
         assert_eq!((x, c), (BASE, BASE + 32 * CHUNK), "the chunk starts at the floor");
         s.set_owner(c, 3, 9);
         assert_eq!(s.owner(c + 12345), Some((3, 9)));
@@ -542,7 +547,7 @@ mod tests {
         let s = Space::new(BASE, 8 * CHUNK, 2 * CHUNK).unwrap();
         let any = &mut |_, _| Ok(());
         assert_eq!(s.chunk_floor(), BASE + 4 * CHUNK);
-        let chunks: Vec<u64> = (0..4).map(|_| s.alloc_chunk(any).unwrap()).collect();
+        let chunks: Vec<u64> = (0..4).map(|_| s.alloc_chunk(false, any).unwrap()).collect();
         assert_eq!(chunks, (4..8).map(|i| BASE + i * CHUNK).collect::<Vec<_>>(), "first fit above the floor");
         assert_eq!(s.alloc_large(3 * GRANULE, any), Some(BASE), "large blocks start at the bottom");
         assert_eq!(s.alloc_large(2 * CHUNK, any), Some(BASE + 3 * GRANULE), "and pack below the chunks");
@@ -552,16 +557,18 @@ mod tests {
     fn a_chunk_goes_below_the_floor_only_when_no_room_is_left_above() {
         let s = Space::new(BASE, 8 * CHUNK, 2 * CHUNK).unwrap();
         let any = &mut |_, _| Ok(());
-        let above: Vec<u64> = (0..4).map(|_| s.alloc_chunk(any).unwrap()).collect();
-        assert_eq!(s.alloc_chunk(any), Some(BASE), "the upper half is full: the lowest fit below");
+        let above: Vec<u64> = (0..4).map(|_| s.alloc_chunk(false, any).unwrap()).collect();
+        assert_eq!(s.alloc_chunk(false, any), Some(BASE), "the upper half is full: the lowest fit below");
         // Room above that `accept` refuses (say, unmapped where the rung may not map) is
         // still room: no chunk goes below for it.
         assert!(s.free(above[1], CHUNK, fence_word(1, 1)));
         let floor = s.chunk_floor();
         let refuse_above = &mut |a: u64, _| if a >= floor { Err(a) } else { Ok(()) };
-        assert_eq!(s.alloc_chunk(refuse_above), None);
-        assert_eq!(s.alloc_chunk(any), Some(above[1]), "freed above the floor: taken again first");
-        assert_eq!(s.alloc_chunk(any), Some(BASE + CHUNK));
+        assert_eq!(s.alloc_chunk(false, refuse_above), None);
+        assert_eq!(s.alloc_chunk(true, refuse_above), Some(BASE + CHUNK), "asked to: the lowest fit below");
+        assert!(s.free(BASE + CHUNK, CHUNK, fence_word(1, 2)));
+        assert_eq!(s.alloc_chunk(false, any), Some(above[1]), "freed above the floor: taken again first");
+        assert_eq!(s.alloc_chunk(false, any), Some(BASE + CHUNK));
     }
 
     #[test]

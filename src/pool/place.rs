@@ -325,6 +325,9 @@ impl PoolInner {
         // The candidate this closure last took: the extents ask again once they have claimed
         // it, and the answer would be the same work for nothing (see below).
         let mut taken = None;
+        // Set once claims on lent pages kept losing their memory to other threads (below):
+        // the walk then passes over every lent page.
+        let avoid_lent = std::cell::Cell::new(false);
         let mut accept = |addr: u64, len: u64| -> std::result::Result<(), u64> {
             // The walk only chooses a run: the judgement that counts, and the waits set up,
             // are made again once the pages are held (`judge_held`), and the pages are taken
@@ -343,6 +346,9 @@ impl PoolInner {
             let mut sources = Vec::new();
             while p < addr + len {
                 let lent = pages.is_lent(p);
+                if lent && avoid_lent.get() {
+                    return Err(p + page - 1);
+                }
                 if lent {
                     judged.one();
                     let free_elsewhere = pages
@@ -387,7 +393,10 @@ impl PoolInner {
         let mut tries = 0;
         let (addr, held) = loop {
             let got = if chunk {
-                self.space.alloc_chunk(&mut accept)
+                // A pool holding a reserve (`Pool::reserve`) maps it low, for blocks of every
+                // size: its chunks may take reserved pages below the chunk floor rather than
+                // map, which the reserve's promise (no map while little is live) needs.
+                self.space.alloc_chunk(self.floor_bytes() > 0, &mut accept)
             } else if self.near_limit() {
                 // Near the limit every page a block needs beyond those it finds mapped may be
                 // one the pool cannot have: the run needing the fewest, then the tightest
@@ -404,7 +413,7 @@ impl PoolInner {
             } else {
                 self.space.alloc_large(size, &mut accept)
             };
-            let Some(addr) = got else { return Ok(None) };
+            let Some(addr) = got else { return Ok(Self::missed("no run", size, chunk, mode)) };
             let mut map = Pager { pool: self, st, limit, lend };
             match self.pages.acquire(addr, size, mode.mapping != Mapping::Forbidden, &mut map) {
                 Ok(()) => {}
@@ -419,10 +428,21 @@ impl PoolInner {
                             tries += 1;
                             continue;
                         }
-                        Acquire::NeedsMap | Acquire::Lent => return Ok(None),
+                        // Where the placement may map, a busy server's threads taking lent
+                        // pages' memory from under each other must not send it to the host
+                        // waits (H100, `server`: one or two placements in most runs): one
+                        // more walk, over pages that are not lent, which it maps or borrows.
+                        // A lent page unmapped under the claim reads as needing a map, which
+                        // a placement that may map needs for no other reason.
+                        Acquire::Lent | Acquire::NeedsMap if mode.mapping == Mapping::Allowed && !avoid_lent.get() => {
+                            avoid_lent.set(true);
+                            continue;
+                        }
+                        Acquire::NeedsMap => return Ok(Self::missed("a page needs mapping", size, chunk, mode)),
+                        Acquire::Lent => return Ok(Self::missed("lent pages taken meanwhile", size, chunk, mode)),
                         // Over budget, or the device itself is out of memory: the next rung.
                         Acquire::Failed(Error::OutOfMemory(_)) | Acquire::Failed(Error::Device { code: 2, .. }) => {
-                            return Ok(None)
+                            return Ok(Self::missed("out of memory mapping", size, chunk, mode))
                         }
                         Acquire::Failed(e) => return Err(e),
                     }
@@ -437,14 +457,14 @@ impl PoolInner {
                         tries += 1;
                         continue;
                     }
-                    return Ok(None);
+                    return Ok(Self::missed("fences changed under the claim", size, chunk, mode));
                 }
             }
         };
         if !held.waits.is_empty() && !held.settle() {
             self.pages.release(addr, size);
             self.space.give_back(addr, size);
-            return Ok(None);
+            return Ok(Self::missed("a device wait could not be set up", size, chunk, mode));
         }
         if held.own {
             Counters::bump(&self.counters.same_stream_reuses, 1);
@@ -453,6 +473,16 @@ impl PoolInner {
             Counters::bump(&self.counters.covered_reuses, 1);
         }
         Ok(Some(addr))
+    }
+
+    /// A placement that may map failed: say why at debug level (the next rung is the host
+    /// waits, which a busy server should seldom reach). No address.
+    #[cold]
+    fn missed(why: &'static str, size: u64, chunk: bool, mode: Mode) -> Option<u64> {
+        if mode.mapping == Mapping::Allowed {
+            tracing::debug!(why, size, chunk, reuse = ?mode.reuse, "a placement that may map failed");
+        }
+        None
     }
 
     /// The fences of a block whose pages this placement now holds, judged again: the memory
