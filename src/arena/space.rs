@@ -43,7 +43,7 @@
 //! the halves as loans do, with no device wait (`pages::lend`), and the lower half of the
 //! range is at least `max_reserved` long (the pool reserves twice that at least), so large
 //! blocks never run short of addresses there; a chunk takes a run below the floor only when
-//! none above it fits. On the shared traces (simulator, `docs/BENCHMARKS.md`, twenty-fourth
+//! none above it fits, or when its pool holds a reserve (mapped low, for every size). On the shared traces (simulator, `docs/BENCHMARKS.md`, twenty-fourth
 //! session) peak reserved ÷ peak live fell on seven of ten (gpt2_train_4streams 1.073 →
 //! 1.026, pipeline_side_stream 1.082 → 1.062) and rose on two (bert_dynamic 1.044 → 1.052,
 //! threads_streams 1.043 → 1.046); what it costs elsewhere is in `IMPLEMENTATION.md`.
