@@ -305,11 +305,16 @@ impl PoolInner {
         // highest free pages lend first), and a walk judging each on its own met dozens.
         // Dormant pages this walk judged, for their bound (added when the walk ends).
         let judged = self.dormant.judging();
+        // Set once claims on lent pages kept losing their memory to other threads (below):
+        // the walk then passes over every lent page, judging none.
+        let avoid_lent = std::cell::Cell::new(false);
         let skip_dead = |mut q: u64| loop {
             if pages.is_lent(q) {
-                judged.one();
-                if pages.switch_source(q).is_some() {
-                    return q;
+                if !avoid_lent.get() {
+                    judged.one();
+                    if pages.switch_source(q).is_some() {
+                        return q;
+                    }
                 }
                 q += page;
             } else if mode.mapping == Mapping::Forbidden && !pages.is_mapped(q) {
@@ -325,9 +330,6 @@ impl PoolInner {
         // The candidate this closure last took: the extents ask again once they have claimed
         // it, and the answer would be the same work for nothing (see below).
         let mut taken = None;
-        // Set once claims on lent pages kept losing their memory to other threads (below):
-        // the walk then passes over every lent page.
-        let avoid_lent = std::cell::Cell::new(false);
         let mut accept = |addr: u64, len: u64| -> std::result::Result<(), u64> {
             // The walk only chooses a run: the judgement that counts, and the waits set up,
             // are made again once the pages are held (`judge_held`), and the pages are taken
@@ -346,10 +348,10 @@ impl PoolInner {
             let mut sources = Vec::new();
             while p < addr + len {
                 let lent = pages.is_lent(p);
-                if lent && avoid_lent.get() {
-                    return Err(p + page - 1);
-                }
                 if lent {
+                    if avoid_lent.get() {
+                        return Err(skip_dead(p + page) - 1);
+                    }
                     judged.one();
                     let free_elsewhere = pages
                         .switch_source(p)

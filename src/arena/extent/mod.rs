@@ -433,21 +433,14 @@ impl Extents {
         floor: u64,
         accept: &mut dyn FnMut(u64, u64) -> Result<(), u64>,
     ) -> Option<u64> {
-        let g = floor.saturating_sub(self.base) >> self.shift;
-        if g >= self.granules {
-            return None;
-        }
+        let g = self.floor_granule(floor)?;
         self.alloc_from(bytes, align, Some(g), accept)
     }
 
     /// Whether a run of `bytes` (aligned as for [`Extents::alloc_with`]) is free at `floor`
     /// or above, whoever's memory it was: one walk, claiming nothing, a snapshot of a moment.
     pub fn has_room_above(&self, bytes: u64, align: u64, floor: u64) -> bool {
-        let g = floor.saturating_sub(self.base) >> self.shift;
-        if bytes == 0 || bytes > self.len || !align.is_power_of_two() || g >= self.granules {
-            return false;
-        }
-        let k = bytes.div_ceil(self.granule());
+        let (Some(k), Some(g)) = (self.granules_for(bytes, align), self.floor_granule(floor)) else { return false };
         let mut restart = Some(g);
         loop {
             match self.first_fit_with(k, align, restart, &mut |_| Ok(())) {
@@ -458,6 +451,20 @@ impl Extents {
         }
     }
 
+    /// The granules a request of `bytes` aligned to `align` granules takes, if one can be
+    /// placed at all.
+    fn granules_for(&self, bytes: u64, align: u64) -> Option<u64> {
+        if bytes == 0 || bytes > self.len || !align.is_power_of_two() || align > self.granules {
+            return None;
+        }
+        Some(bytes.div_ceil(self.granule()))
+    }
+
+    /// The granule of address `floor` (the first for one below the range), if in the range.
+    fn floor_granule(&self, floor: u64) -> Option<u64> {
+        Some(floor.saturating_sub(self.base) >> self.shift).filter(|&g| g < self.granules)
+    }
+
     /// [`Extents::alloc_with`] from granule `floor` up (the whole range for `None`).
     fn alloc_from(
         &self,
@@ -466,10 +473,7 @@ impl Extents {
         floor: Option<u64>,
         accept: &mut dyn FnMut(u64, u64) -> Result<(), u64>,
     ) -> Option<u64> {
-        if bytes == 0 || bytes > self.len || !align.is_power_of_two() || align > self.granules {
-            return None;
-        }
-        let k = bytes.div_ceil(self.granule());
+        let k = self.granules_for(bytes, align)?;
         let len = k << self.shift;
         // Every walk starts at the floor or past it: a restart only ever moves up.
         let (mut confirming, mut restart) = (false, floor);
