@@ -46,6 +46,15 @@ fn stat(key: &str) -> u64 {
     json[at..].split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
 }
 
+/// The stream the pool's picture gives the cached block at `addr`.
+fn cached_stream(addr: u64) -> Option<vrampool::StreamId> {
+    let snap = registry::pool(0).unwrap().snapshot();
+    let e = snap.segments.iter().flat_map(|s| &s.extents).find(|e| e.addr <= addr && addr < e.addr + e.bytes);
+    let e = e.unwrap_or_else(|| panic!("{addr:#x} is in no segment"));
+    assert_eq!(e.state, vrampool::BlockState::Cached, "{e:?}");
+    e.stream
+}
+
 /// Write `byte` over the block on `stream` and read it back.
 fn touch(dev: &CudaDevice, p: u64, size: usize, byte: u8, stream: &Stream) {
     dev.memset(p, byte, size, stream).unwrap();
@@ -74,6 +83,10 @@ fn the_c_abi_on_cuda_streams() {
     touch(&dev, p, 65536, 0x5a, &s1);
     free(p, 65536, h);
     vrampool_empty_cache();
+    // This thread's memo names `h`, with a block cached for it.
+    let q = malloc(4096, h);
+    free(q, 4096, h);
+    assert_eq!(cached_stream(q), Some(first.id()));
     // SAFETY: s1 is still live.
     assert_eq!(unsafe { vrampool_stream_destroyed(0, h as usize as *mut c_void) }, 0, "{:?}", last_error());
     dev.destroy_stream(&s1).unwrap();
@@ -82,6 +95,13 @@ fn the_c_abi_on_cuda_streams() {
         // SAFETY: as above.
         let second = unsafe { registry::stream(0, h) }.unwrap();
         assert_ne!(first.id(), second.id(), "a reused handle value is a new stream");
+        // The memo's hot path (no driver call) does not serve the old stream's cache.
+        let q = malloc(4096, h);
+        touch(&dev, q, 4096, 0x3c, &s2);
+        free(q, 4096, h);
+        assert_eq!(cached_stream(q), Some(second.id()), "allocated on the new stream");
+    } else {
+        eprintln!("the driver gave the new stream another handle: the reuse case was not run");
     }
 
     // Threads, each its own stream, freeing each other's blocks; record_stream.

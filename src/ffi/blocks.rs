@@ -6,8 +6,9 @@
 //! that the hot paths stay small leaves and everything else is out of line.
 //!
 //! **No lock on the allocation or free path.** A malloc finds its device, stream and owner
-//! record in the thread's memo (a few loads and compares: on CUDA also one `cuStreamGetId`,
-//! since a handle's value may name a new stream), allocates from the pool's thread cache
+//! record in the thread's memo (a few loads and compares, one of them the registry's gate,
+//! which moves when a stream is declared destroyed: a handle's value may then name a new
+//! stream, and the memo keys it again), allocates from the pool's thread cache
 //! and publishes the block in its slot with plain stores; the owning thread's free finds
 //! the slot from the address and takes it back with plain loads and stores. A free on
 //! another thread takes one compare-and-swap and is settled in a batch; only the first use
@@ -26,7 +27,7 @@ use super::{foreign, graph, relaxed};
 use crate::live::{Refusal, Settled, Words};
 use crate::pool::class_and_size;
 use crate::registry::{self, StreamRec};
-use crate::{Block, Error};
+use crate::{Block, DeviceKind, Error};
 
 #[inline(always)]
 pub(super) fn malloc(size: ssize_t, device: c_int, raw: u64) -> *mut c_void {
@@ -54,7 +55,7 @@ fn malloc_edge(size: ssize_t, device: c_int, raw: u64) -> *mut c_void {
 /// memo names others (nothing was done).
 #[inline(always)]
 fn malloc_hit(m: &memo::Memo, size: usize, device: c_int, raw: u64) -> Option<*mut c_void> {
-    if m.alloc_device.get() != device as i64 || m.raw.get() != raw {
+    if m.alloc_device.get() != device as i64 || m.raw.get() != raw || m.gate.get() != registry::gate() {
         return None;
     }
     // SAFETY: `alloc_device` names the device only with a cache (and its shared part),
@@ -123,18 +124,26 @@ fn report_outside(addr: u64) -> *mut c_void {
     std::ptr::null_mut()
 }
 
-/// CUDA's memo path: as [`malloc_hit`], once the handle's key (one driver call) shows it
-/// still names the memo's stream; through the pool (its memo finds the same cache), so that
+/// CUDA's memo path when the hot path is closed (the registry's gate moved since the memo
+/// was taken, or a capture is declared underway): as [`malloc_hit`], once the handle's key
+/// (one driver call) shows it still names the memo's stream, which opens the hot path again
+/// where it may be; through the pool (its memo finds the same cache), so that
 /// [`malloc_miss`] stays the one caller of `StreamCache::alloc`, which the compiler then
-/// inlines into it.
+/// inlines into it. Not on the simulator, whose key is the handle's value whether or not
+/// the stream was declared destroyed since: the slow path finds out.
 fn malloc_hit_cuda(m: &memo::Memo, size: usize, device: c_int, raw: u64) -> Option<*mut c_void> {
     if !m.names(device as i64, raw) || m.cache.get().is_null() {
         return None;
     }
     let at = Named::of(m);
+    if at.dev.entry.kind != DeviceKind::Cuda {
+        return None;
+    }
+    let gate = registry::gate();
     if registry::stream_key(at.dev.entry, raw).ok() != Some(m.key.get()) {
         return None;
     }
+    m.rearm(at.device, gate);
     Some(match at.dev.entry.pool.alloc(size, &at.rec.stream) {
         Ok(block) => publish(at.dev, block, at.rec.token, at.owner),
         Err(e) => malloc_failed(&at, m, size, e),
@@ -242,12 +251,14 @@ fn malloc_checked(size: usize, device: c_int, raw: u64) -> Result<*mut c_void, A
     let invalid = |e: &Error| AbiError::from_error(call, Counter::InvalidMallocs, e);
     let ordinal = usize::try_from(device).map_err(|_| invalid(&Error::InvalidArgument(format!("device {device}"))))?;
     let dev = device::get(ordinal).map_err(|e| invalid(&e))?;
+    // Before the handle is keyed: a stream declared destroyed meanwhile moves the gate.
+    let gate = registry::gate();
     let key = registry::stream_key(dev.entry, raw).map_err(|e| invalid(&e))?;
     let rec = registry::stream_rec(dev.entry, raw).map_err(|e| invalid(&e))?;
     let owner = MEMO
         .try_with(|m| {
             m.ensure_owner();
-            m.remember(device as i64, raw, key, dev, &rec);
+            m.remember((device as i64, raw, key, gate), dev, &rec);
             m.owner.get()
         })
         .unwrap_or(0);

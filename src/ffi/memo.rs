@@ -5,7 +5,10 @@
 //! everything with a few loads and compares: each path has its own key (`alloc_device`,
 //! `free_device`) that equals the caller's device ordinal only where that path may be taken
 //! (a cache to allocate from on a simulated device; an owner record to free with), so one
-//! compare tests them all. The memo only ever names a device and a stream record, which
+//! compare tests them all; the allocation path also compares the registry's gate
+//! (`registry::gate`) with the one read when the handle was keyed, so a stream declared
+//! destroyed (or a capture declared, on CUDA) sends every thread's next allocation on that
+//! path to key its handle again. The memo only ever names a device and a stream record, which
 //! live for ever, a cache held by [`CACHES`] (whose destructor clears the memo first), and
 //! the thread's own owner record, given back only by [`OwnerGuard`]'s destructor (thread
 //! exit), which clears the memo's owner first.
@@ -35,6 +38,9 @@ pub(crate) struct Memo {
     pub(crate) raw: Cell<u64>,
     /// The registry's key for `raw` (checked again on CUDA, where handles are reused).
     pub(crate) key: Cell<u64>,
+    /// The registry's memo gate ([`crate::registry::gate`]) read before `raw` was keyed: the
+    /// allocation hot path is taken only while the gate still reads it.
+    pub(crate) gate: Cell<u64>,
     pub(crate) dev: Cell<*const AbiDevice>,
     /// `dev`'s table and pool, copied here so the hot paths reach a slot and rebuild a
     /// block without loading the device first.
@@ -67,6 +73,7 @@ impl Memo {
             free_device: Cell::new(NOT_NAMED),
             raw: Cell::new(0),
             key: Cell::new(0),
+            gate: Cell::new(0),
             dev: Cell::new(ptr::null()),
             table: Cell::new(TableView::EMPTY),
             pool: Cell::new(ptr::null()),
@@ -97,8 +104,14 @@ impl Memo {
         self.device.get() == device && self.raw.get() == raw
     }
 
-    /// Remember (`device`, `raw`) → (`dev`, `rec`, `key`) and this thread's cache for them.
-    pub(crate) fn remember(&self, device: i64, raw: u64, key: u64, dev: &'static AbiDevice, rec: &StreamRec) {
+    /// Remember (`device`, `raw`) → (`dev`, `rec`, `key`) and this thread's cache for them;
+    /// `gate` is the registry's memo gate read before `raw` was keyed.
+    pub(crate) fn remember(
+        &self,
+        (device, raw, key, gate): (i64, u64, u64, u64),
+        dev: &'static AbiDevice,
+        rec: &StreamRec,
+    ) {
         let cache = cache_for(device, key, dev, rec);
         self.cache.set(cache);
         // SAFETY: a non-null cache is held by `CACHES`, as the memo's docs say.
@@ -114,11 +127,25 @@ impl Memo {
         self.stream_id.set(rec.id);
         self.token.set(rec.token);
         self.token_bits.set(super::words::token_bits(rec.token));
-        // On CUDA every allocation checks the handle's key first (its value may name a new
-        // stream since), so only the simulator's allocations take the one-compare path.
-        let simulated = dev.entry.kind == DeviceKind::Simulated;
-        self.alloc_device.set(if simulated && !cache.is_null() { device } else { NOT_NAMED });
+        self.alloc_device.set(NOT_NAMED);
+        self.rearm(device, gate);
         self.free_device.set(if self.owner.get() != 0 { device } else { NOT_NAMED });
+    }
+
+    /// Open the allocation hot path for the remembered stream while the registry's gate
+    /// reads `gate` (read before the handle was keyed, and the key found to be the memo's).
+    /// Not on CUDA while a capture is declared underway: a handle must then be checked for
+    /// capture before it is keyed, which the hot path does not do. (The simulator's cache
+    /// hit never asked about capture.)
+    pub(crate) fn rearm(&self, device: i64, gate: u64) {
+        self.gate.set(gate);
+        let open = !self.cache.get().is_null() && {
+            // SAFETY: a memo with a cache names a device entry (`remember` sets both), and
+            // entries live for ever.
+            let dev = unsafe { &*self.dev.get() };
+            dev.entry.kind == DeviceKind::Simulated || crate::registry::gate_open(gate)
+        };
+        self.alloc_device.set(if open { device } else { NOT_NAMED });
     }
 
     /// Take an owner record for this thread, the first time (later calls do nothing). None

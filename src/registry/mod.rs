@@ -33,7 +33,7 @@ mod streams;
 pub use config::{Config, DeviceChoice, MAX_DEVICES, MAX_STREAMS, REGISTRY_MAP_RUN_PAGES, VARIABLES};
 pub(crate) use streams::StreamRec;
 
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::device::{Device, DeviceKind, Stream};
@@ -143,7 +143,10 @@ pub unsafe fn stream_destroyed(device: usize, raw: u64) -> Result<()> {
         return Err(Error::InvalidArgument(format!("stream {raw:#x} is a default stream: it is never destroyed")));
     }
     let key = stream_key(e, raw)?;
-    match e.streams.forget(key) {
+    let forgot = e.streams.forget(key);
+    // After the key is forgotten, so that a memo taken from now on keys the handle anew.
+    GATE.fetch_add(1 << CAPTURE_BITS, Ordering::SeqCst);
+    match forgot {
         // On a wrapped stream this runs the pool's hooks and marks the handle destroyed,
         // without destroying the caller's stream.
         Some(rec) => e.pool.device().destroy_stream(&rec.stream),
@@ -301,26 +304,51 @@ fn cuda_device(_device: usize) -> Result<Arc<dyn Device>> {
     cuda_available().map(|_| unreachable!())
 }
 
-/// Graph captures declared underway, on any device (`vrampool_begin_allocate_to_pool`
-/// until its `vrampool_end_allocate_to_pool`).
-static CAPTURES: AtomicUsize = AtomicUsize::new(0);
+/// The C ABI's memo gate: one word that changes whenever a thread's memo of a stream handle
+/// may have gone stale. Its low [`CAPTURE_BITS`] count the graph captures declared underway,
+/// on any device (`vrampool_begin_allocate_to_pool` until its
+/// `vrampool_end_allocate_to_pool`); the bits above count the streams declared destroyed
+/// (whose handle values may name new streams next). A memo taken while the gate read `g`
+/// still names its stream while the gate reads `g`: the ABI requires
+/// `vrampool_stream_destroyed` before a stream is destroyed, so a handle names a new stream
+/// only after the gate moved, and a capture declared since moves it too. So the CUDA
+/// allocation hit path needs one load here instead of asking the driver for the handle's id
+/// (`cuStreamGetId`) on every call.
+static GATE: AtomicU64 = AtomicU64::new(0);
+const CAPTURE_BITS: u32 = 24;
+const CAPTURES: u64 = (1 << CAPTURE_BITS) - 1;
+
+/// The memo gate now (see [`GATE`]). Relaxed is enough: a caller told that a stream was
+/// destroyed (or a capture began) learned it through its own synchronization with the
+/// thread that said so, which made the gate's change visible with it.
+#[inline(always)]
+pub(crate) fn gate() -> u64 {
+    GATE.load(Ordering::Relaxed)
+}
+
+/// Whether a memo taken while the gate read `gate` may serve allocations without keying
+/// the handle again: no capture was declared underway then.
+#[inline]
+pub(crate) fn gate_open(gate: u64) -> bool {
+    gate & CAPTURES == 0
+}
 
 /// A capture was declared: until [`capture_ended`], stream handles are checked for capture
 /// before they are keyed, and the C ABI's driver calls run in the RELAXED capture mode.
 pub(crate) fn capture_began() {
-    CAPTURES.fetch_add(1, Ordering::SeqCst);
+    GATE.fetch_add(1, Ordering::SeqCst);
 }
 
 /// A capture declared by [`capture_began`] ended (the caller checked that one had begun).
 pub(crate) fn capture_ended() {
-    CAPTURES.fetch_sub(1, Ordering::SeqCst);
+    GATE.fetch_sub(1, Ordering::SeqCst);
 }
 
 /// Whether any declared capture is underway (one load: the C ABI's cold paths and stream
 /// keys read it).
 #[inline]
 pub(crate) fn captures_underway() -> bool {
-    CAPTURES.load(Ordering::Relaxed) != 0
+    !gate_open(gate())
 }
 
 /// The key the registry gives raw handle `raw` on `e`'s device, from the calling thread.
