@@ -254,7 +254,7 @@ fn malloc_checked(size: usize, device: c_int, raw: u64) -> Result<*mut c_void, A
     // Before the handle is keyed: a stream declared destroyed meanwhile moves the gate.
     let gate = registry::gate();
     let key = registry::stream_key(dev.entry, raw).map_err(|e| invalid(&e))?;
-    let rec = registry::stream_rec(dev.entry, raw).map_err(|e| invalid(&e))?;
+    let rec = registry::stream_rec_keyed(dev.entry, raw, key).map_err(|e| invalid(&e))?;
     let owner = MEMO
         .try_with(|m| {
             m.ensure_owner();

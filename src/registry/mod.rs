@@ -373,7 +373,12 @@ pub(crate) fn stream_key(e: &Entry, raw: u64) -> Result<u64> {
 
 /// The stream of raw handle `raw` on `e`'s device, made the first time its key is seen.
 pub(crate) fn stream_rec(e: &Entry, raw: u64) -> Result<Arc<StreamRec>> {
-    let key = stream_key(e, raw)?;
+    stream_rec_keyed(e, raw, stream_key(e, raw)?)
+}
+
+/// [`stream_rec`] for a caller that has the handle's key already ([`stream_key`]: one driver
+/// call on CUDA, not made twice).
+pub(crate) fn stream_rec_keyed(e: &Entry, raw: u64, key: u64) -> Result<Arc<StreamRec>> {
     e.streams.get_or_make(key, raw, || match e.kind {
         DeviceKind::Simulated => e.pool.device().create_stream(),
         // SAFETY: the caller of the C ABI (or of `stream`) promised a live stream of the
