@@ -130,6 +130,20 @@ void *vrampool_malloc(ssize_t size, int device, void *stream);
 // `vrampool_record_stream`) may use the memory.
 void vrampool_free(void *ptr, ssize_t size, int device, void *stream);
 
+// Free the block at `ptr` as it was allocated, given its address alone: its size, device
+// and stream are the ones it was allocated with (looked up in the pool, on whichever
+// device or graph pool holds it), and are written to `size`, `device` and `stream` where
+// those are not NULL. For wrappers that would otherwise keep their own table of every live
+// block to call `vrampool_free` with (PyTorch's `CUDAPluggableAllocator` keeps one, under
+// a process-wide mutex). As `vrampool_free` otherwise, but a refusal is returned too: 0,
+// or a `vrampool_status` with the error set (`VRAMPOOL_ERROR_DOUBLE_FREE`,
+// `VRAMPOOL_ERROR_INVALID_FREE`); nothing is written then. NULL is freed as nothing (0).
+//
+// # Safety
+// `size`, `device` and `stream` are each NULL or writable. As `vrampool_free` for the
+// block's use.
+int vrampool_free_any(void *ptr, size_t *size, int *device, void **stream);
+
 // Say that the block at `ptr` is also used on `stream`: its free then waits for the work
 // enqueued on `stream` before the free, as well as its own stream's. Returns 0, or a
 // `vrampool_status` with the error set.

@@ -36,6 +36,7 @@ fn the_committed_header_is_what_the_code_generates() {
     for needed in [
         "void *vrampool_malloc(ssize_t size, int device, void *stream);",
         "void vrampool_free(void *ptr, ssize_t size, int device, void *stream);",
+        "int vrampool_free_any(void *ptr, size_t *size, int *device, void **stream);",
         "int vrampool_record_stream(void *ptr, void *stream);",
         "int vrampool_empty_cache(void);",
         "int vrampool_stream_destroyed(int device, void *stream);",

@@ -402,6 +402,27 @@ VH_EXPORT void vrampool_hooks_free(void* ptr, ssize_t size, int device, void* st
   }
 }
 
+VH_EXPORT void vrampool_hooks_free_any(void* ptr) {
+  // Called from deleters: nothing may throw here. A refused free is counted by vrampool.
+  if (ptr == nullptr || lib.free_any == nullptr) {
+    return;
+  }
+  Slot& s = slot();
+  const bool timed = timing.load(std::memory_order_relaxed);
+  const uint64_t t0 = timed ? ticks() : 0;
+  size_t size = 0;
+  int device = -1;
+  void* stream = nullptr;
+  const int rc = lib.free_any(ptr, &size, &device, &stream);
+  if (timed) {
+    add(s.free_ticks, ticks() - t0);
+  }
+  add(s.frees, 1);
+  if (rc == 0 && history_on.load(std::memory_order_relaxed)) {
+    history_free(ptr, size, device, stream);
+  }
+}
+
 namespace {
 
 // ---- binding and the hooks on the C++ allocator object ------------------------------------
@@ -423,6 +444,7 @@ void bind(const std::string& path) {
   TORCH_CHECK(h != nullptr, "vrampool_hooks: dlopen(", path, "): ", dlerror());
   lib.path = path;
   lib.free = symbol<FreeFn>(h, "vrampool_free");
+  lib.free_any = reinterpret_cast<FreeAnyFn>(dlsym(h, "vrampool_free_any"));
   lib.record_stream = symbol<RecordStreamFn>(h, "vrampool_record_stream");
   lib.empty_cache = symbol<EmptyCacheFn>(h, "vrampool_empty_cache");
   lib.stats_json = symbol<StatsJsonFn>(h, "vrampool_stats_json");
@@ -552,7 +574,7 @@ py::dict counters() {
 // of `size` bytes, then their frees in order. path "direct": vrampool_malloc/vrampool_free
 // through their pointers; "mutex": the same with one process-wide std::mutex held around
 // each call, as the wrapper holds its allocator_mutex_ once per malloc and once per free
-// (the lock's cost alone, contention included); "pluggable": the C++ CUDAPluggableAllocator object's malloc and
+// (the lock's cost alone, contention included); "pluggable": the C++ CUDAPluggableAllocator base class's malloc and
 // raw_delete (its std::function, mutex and map around vrampool_hooks_malloc, no CUDA call);
 // "allocator": c10::cuda::CUDACachingAllocator::raw_alloc_with_stream and raw_delete, i.e.
 // PyTorch's current allocator as PyTorch's own code calls it (the pluggable one, or
@@ -620,7 +642,9 @@ py::dict bench_pairs(
         return;
       }
       case Path::Pluggable:
-        plug->raw_delete(p);
+        // The base class's own, which looks the block up in its table: the allocator that
+        // install() made overrides raw_delete (and allocates without the table).
+        plug->CUDAPluggableAllocator::raw_delete(p);
         return;
       case Path::Allocator:
         break;

@@ -14,11 +14,15 @@
 // The alloc and free functions PyTorch calls (vrampool_hooks.cpp).
 extern "C" void* vrampool_hooks_malloc(ssize_t size, int device, void* stream);
 extern "C" void vrampool_hooks_free(void* ptr, ssize_t size, int device, void* stream);
+// As vrampool_hooks_free, given the address alone (vrampool_free_any): the allocator's
+// deleter and raw_delete where the library has it.
+extern "C" void vrampool_hooks_free_any(void* ptr);
 
 namespace vh {
 
 using MallocFn = void* (*)(ssize_t, int, void*);
 using FreeFn = void (*)(void*, ssize_t, int, void*);
+using FreeAnyFn = int (*)(void*, size_t*, int*, void**);
 using RecordStreamFn = int (*)(void*, void*);
 using EmptyCacheFn = int (*)();
 using StatsJsonFn = size_t (*)(int, char*, size_t);
@@ -59,6 +63,9 @@ struct Library {
   std::string path;
   MallocFn malloc = nullptr;
   FreeFn free = nullptr;
+  // vrampool_free_any; optional (an older library has none, and the allocator then keeps
+  // CUDAPluggableAllocator's own table of live blocks).
+  FreeAnyFn free_any = nullptr;
   RecordStreamFn record_stream = nullptr;
   EmptyCacheFn empty_cache = nullptr;
   StatsJsonFn stats_json = nullptr;

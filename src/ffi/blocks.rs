@@ -333,22 +333,36 @@ fn free_slow(addr: u64, size: ssize_t, device: c_int, raw: u64) {
     }
 }
 
-/// What a free's check saw of the block, for the message of a refusal: (bytes asked for,
-/// the stream handle it was allocated with).
+/// What a free says of its block: the size and stream handle it was allocated with
+/// (`vrampool_free`, checked against the block), or nothing (`vrampool_free_any`: whatever
+/// they were).
+#[derive(Clone, Copy)]
+struct Expect {
+    size: ssize_t,
+    raw: u64,
+}
+
+/// What a free's check saw of the block, for the message of a refusal and the answer of
+/// `vrampool_free_any`: (bytes asked for, the stream handle it was allocated with).
 type Seen = std::cell::Cell<Option<(u64, Option<u64>)>>;
 
-/// Whether a slot's (unboxed) words are those of an allocation of `size` bytes on `raw`.
-fn words_match(dev: &AbiDevice, w: Words, size: ssize_t, raw: u64, seen: &Seen) -> bool {
+/// Whether a block of `len` bytes allocated on `alloc_raw` is what `expect` says.
+fn matches(expect: Option<Expect>, len: u64, alloc_raw: Option<u64>) -> bool {
+    expect.is_none_or(|e| e.size > 0 && len == e.size as u64 && alloc_raw == Some(e.raw))
+}
+
+/// Whether a slot's (unboxed) words are those of the allocation `expect` says.
+fn words_match(dev: &AbiDevice, w: Words, expect: Option<Expect>, seen: &Seen) -> bool {
     let (len, token) = words::unpack(w.info);
     let alloc_raw = stream_raw(dev, token);
     seen.set(Some((len, alloc_raw)));
-    size > 0 && len == size as u64 && alloc_raw == Some(raw)
+    matches(expect, len, alloc_raw)
 }
 
-fn ext_matches(dev: &AbiDevice, ext: &Ext, size: ssize_t, raw: u64, seen: &Seen) -> bool {
+fn ext_matches(dev: &AbiDevice, ext: &Ext, expect: Option<Expect>, seen: &Seen) -> bool {
     let (len, alloc_raw) = (ext.block.len() as u64, stream_raw(dev, ext.token));
     seen.set(Some((len, alloc_raw)));
-    size > 0 && len == size as u64 && alloc_raw == Some(raw)
+    matches(expect, len, alloc_raw)
 }
 
 fn stream_raw(dev: &AbiDevice, token: u32) -> Option<u64> {
@@ -361,20 +375,51 @@ fn free_checked(addr: u64, size: ssize_t, device: c_int, raw: u64) -> Result<(),
         let msg = format!("{call}({addr:#x}): device {device} has no pool: no block of it was allocated here");
         AbiError::new(vrampool_status::VRAMPOOL_ERROR_INVALID_FREE, Counter::InvalidFrees, msg)
     })?;
-    let Some(idx) = dev.table.index(addr) else {
-        return match graph::free(addr, size as u64, raw) {
-            Some(Ok(())) => Ok(()),
+    free_in(call, Some(dev), addr, Some(Expect { size, raw })).map(drop)
+}
+
+/// `vrampool_free_any`: free the block at `addr` (not NULL) as allocated, found by its
+/// address on whichever device or graph pool holds it; returns what it was.
+#[cold]
+#[inline(never)]
+pub(super) fn free_any(addr: u64) -> Result<graph::Freed, AbiError> {
+    let _relaxed = relaxed();
+    free_in("vrampool_free_any", device::holding(addr), addr, None)
+}
+
+/// Free the block at `addr` on `dev` (or, outside every device's table, in the graph pool
+/// holding it), if it is what `expect` says; returns what it was.
+fn free_in(
+    call: &str,
+    dev: Option<&'static AbiDevice>,
+    addr: u64,
+    expect: Option<Expect>,
+) -> Result<graph::Freed, AbiError> {
+    let (size, raw) = expect.map_or((-1, 0), |e| (e.size, e.raw));
+    let Some((dev, idx)) = dev.and_then(|d| Some((d, d.table.index(addr)?))) else {
+        return match graph::free(addr, expect.map(|e| (e.size as u64, e.raw))) {
+            Some(Ok(was)) => Ok(was),
             Some(Err(graph::FreeRefusal::NotLive)) => {
                 Err(refusal(call, addr, size, raw, Refusal::NotLive { ever: true }, None))
             }
             Some(Err(graph::FreeRefusal::Mismatch { len, raw: alloc_raw })) => {
                 Err(mismatch(call, addr, size, raw, len, Some(alloc_raw)))
             }
-            None => Err(not_a_block(call, dev, addr)),
+            None => match dev {
+                Some(dev) => Err(not_a_block(call, dev, addr)),
+                None => {
+                    let msg = format!("{call}({addr:#x}): not a pointer of any pool");
+                    Err(AbiError::new(vrampool_status::VRAMPOOL_ERROR_INVALID_FREE, Counter::InvalidFrees, msg))
+                }
+            },
         };
     };
     let seen = Seen::new(None);
     let refused = |r: Refusal| refusal(call, addr, size, raw, r, seen.get());
+    let freed = |seen: &Seen| {
+        let (len, raw) = seen.get().map_or((0, None), |s| s);
+        graph::Freed { len, raw: raw.unwrap_or(0), device: dev.entry.ordinal }
+    };
     let (me, mine) = MEMO.try_with(|m| (m.owner.get(), m.owner_rec.get())).unwrap_or((0, std::ptr::null()));
     if me != 0 && dev.table.owner(idx) == Ok(me) {
         // SAFETY: non-null with an owner index: the thread's own record.
@@ -382,25 +427,25 @@ fn free_checked(addr: u64, size: ssize_t, device: c_int, raw: u64) -> Result<(),
         let check = |w: Words| {
             if w.ext {
                 // SAFETY: the owner holds the slot inside its window (invariant 3).
-                ext_matches(dev, unsafe { Ext::peek(w.info) }, size, raw, &seen)
+                ext_matches(dev, unsafe { Ext::peek(w.info) }, expect, &seen)
             } else {
-                words_match(dev, w, size, raw, &seen)
+                words_match(dev, w, expect, &seen)
             }
         };
         match dev.table.free_owned_with(idx, mine, me, check) {
             Ok(w) => {
                 give_back(dev, idx, w);
-                return Ok(());
+                return Ok(freed(&seen));
             }
             // The block changed hands meanwhile: free it as any other thread would.
             Err(Refusal::Foreign) => {}
             Err(r) => return Err(refused(r)),
         }
     }
-    let claim = dev.table.claim(idx, |w| words_match(dev, w, size, raw, &seen)).map_err(refused)?;
+    let claim = dev.table.claim(idx, |w| words_match(dev, w, expect, &seen)).map_err(refused)?;
     if !claim.words.ext {
         foreign::defer(dev, claim);
-        return Ok(());
+        return Ok(freed(&seen));
     }
     // A boxed block: its record may be read only once the claim has settled.
     bump(Counter::ForeignFrees);
@@ -408,13 +453,13 @@ fn free_checked(addr: u64, size: ssize_t, device: c_int, raw: u64) -> Result<(),
         Some(Settled::Won) => {
             // SAFETY: a won claim holds the slot (invariant 3).
             let ext = unsafe { Ext::peek(claim.words.info) };
-            if !ext_matches(dev, ext, size, raw, &seen) {
+            if !ext_matches(dev, ext, expect, &seen) {
                 dev.table.undo(&claim);
                 return Err(refused(Refusal::Mismatch));
             }
             dev.table.release(&claim);
             give_back(dev, idx, claim.words);
-            Ok(())
+            Ok(freed(&seen))
         }
         Some(_) => Err(refused(Refusal::Claimed)),
         None => Err(AbiError::new(

@@ -204,6 +204,15 @@ pub(crate) fn malloc(size: usize, device: usize, raw: u64, id: PoolId) -> Result
     Ok(addr)
 }
 
+/// What a free freed: the bytes asked for, the stream handle and the device of its
+/// allocation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Freed {
+    pub len: u64,
+    pub raw: u64,
+    pub device: usize,
+}
+
 /// How a free of a graph pool's pointer went wrong.
 pub(crate) enum FreeRefusal {
     /// No live block of the pool starts there (a double free or an interior pointer).
@@ -212,28 +221,31 @@ pub(crate) enum FreeRefusal {
     Mismatch { len: u64, raw: u64 },
 }
 
-/// Free `addr` if a graph pool holds it: `None` if none does (the pointer is not this
-/// module's), else what became of it. A refused free changes nothing.
-pub(crate) fn free(addr: u64, size: u64, raw: u64) -> Option<std::result::Result<(), FreeRefusal>> {
+/// Free `addr` if a graph pool holds it and it is what `expect` says (bytes asked for and
+/// stream handle; `None`: whatever they were): `None` if no pool holds it (the pointer is
+/// not this module's), else what it was or why it was refused. A refused free changes
+/// nothing.
+pub(crate) fn free(addr: u64, expect: Option<(u64, u64)>) -> Option<std::result::Result<Freed, FreeRefusal>> {
     let pool = pool_holding(addr)?;
-    let block = {
+    let (was, block) = {
         let mut s = pool.state();
         let Some(h) = s.live.remove(&addr) else { return Some(Err(FreeRefusal::NotLive)) };
-        if h.len != size || h.raw != raw {
+        if expect.is_some_and(|(size, raw)| h.len != size || h.raw != raw) {
             let why = FreeRefusal::Mismatch { len: h.len, raw: h.raw };
             s.live.insert(addr, h);
             return Some(Err(why));
         }
+        let was = Freed { len: h.len, raw: h.raw, device: pool.device };
         if h.shared || s.streams.len() > 1 {
             s.parked.push(h.block);
-            None
+            (was, None)
         } else {
-            Some(h.block)
+            (was, Some(h.block))
         }
     };
     // Outside the lock: the pool's free may close a batch (a device call).
     drop(block);
-    Some(Ok(()))
+    Some(Ok(was))
 }
 
 /// Mark `addr`'s block as used on another stream (invariant 2), if a graph pool holds it.

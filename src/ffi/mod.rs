@@ -4,6 +4,7 @@
 //! ```c
 //! void*  vrampool_malloc(ssize_t size, int device, void* stream);   /* PyTorch's alloc_fn */
 //! void   vrampool_free(void* ptr, ssize_t size, int device, void* stream); /* free_fn */
+//! int    vrampool_free_any(void* ptr, size_t* size, int* device, void** stream); /* by address */
 //! int    vrampool_record_stream(void* ptr, void* stream);           /* 0, or an error code */
 //! int    vrampool_empty_cache(void);                                /* trim every pool */
 //! size_t vrampool_stats_json(int device, char* buf, size_t len);    /* bytes needed */
@@ -97,6 +98,55 @@ pub unsafe extern "C" fn vrampool_free(ptr: *mut c_void, size: ssize_t, device: 
         return;
     }
     guarded("vrampool_free", (), || free(ptr as u64, size, device, stream as u64))
+}
+
+/// Free the block at `ptr` as it was allocated, given its address alone: its size, device
+/// and stream are the ones it was allocated with (looked up in the pool, on whichever
+/// device or graph pool holds it), and are written to `size`, `device` and `stream` where
+/// those are not NULL. For wrappers that would otherwise keep their own table of every live
+/// block to call `vrampool_free` with (PyTorch's `CUDAPluggableAllocator` keeps one, under
+/// a process-wide mutex). As `vrampool_free` otherwise, but a refusal is returned too: 0,
+/// or a `vrampool_status` with the error set (`VRAMPOOL_ERROR_DOUBLE_FREE`,
+/// `VRAMPOOL_ERROR_INVALID_FREE`); nothing is written then. NULL is freed as nothing (0).
+///
+/// # Safety
+/// `size`, `device` and `stream` are each NULL or writable. As `vrampool_free` for the
+/// block's use.
+#[no_mangle]
+pub unsafe extern "C" fn vrampool_free_any(
+    ptr: *mut c_void,
+    size: *mut size_t,
+    device: *mut c_int,
+    stream: *mut *mut c_void,
+) -> c_int {
+    if ptr.is_null() {
+        return 0;
+    }
+    guarded("vrampool_free_any", vrampool_status::VRAMPOOL_ERROR_INTERNAL as c_int, || {
+        match blocks::free_any(ptr as u64) {
+            Ok(was) => {
+                // SAFETY: the caller promises each pointer NULL or writable.
+                unsafe {
+                    write_out(size, was.len as size_t);
+                    write_out(device, was.device as c_int);
+                    write_out(stream, was.raw as usize as *mut c_void);
+                }
+                0
+            }
+            Err(e) => e.report(),
+        }
+    })
+}
+
+/// Write `v` to `out` unless it is NULL.
+///
+/// # Safety
+/// `out` is NULL or writable.
+unsafe fn write_out<T>(out: *mut T, v: T) {
+    if !out.is_null() {
+        // SAFETY: as the caller promises.
+        unsafe { out.write(v) };
+    }
 }
 
 /// Say that the block at `ptr` is also used on `stream`: its free then waits for the work

@@ -351,6 +351,61 @@ static void threads(void) {
 /* A capture's graph pool, as a C program that captures declares it: the capture's memory
  * comes from the pool, is refused when freed wrongly, and goes back once the pool is
  * released, its blocks freed and the cache emptied. */
+static void *malloc_on_a_thread(void *arg) {
+    (void)arg;
+    return vrampool_malloc(3000, 0, stream_of(51));
+}
+
+/* vrampool_free_any: a block freed by its address alone, whoever allocated it and however it
+ * is held (its owner's slot, another thread's, a record_stream record, a graph pool), answers
+ * its size and stream; a pointer that is no live block is refused as vrampool_free refuses. */
+static void free_any(void) {
+    size_t size = 1;
+    int device = -1;
+    void *stream = &size;
+    CHECK(vrampool_free_any(NULL, &size, &device, &stream) == 0);
+    CHECK(size == 1 && device == -1 && stream == (void *)&size); /* NULL: nothing written */
+    int local;
+    CHECK(vrampool_free_any(&local, NULL, NULL, NULL) == VRAMPOOL_ERROR_INVALID_FREE);
+    CHECK(vrampool_last_error() != NULL);
+
+    char *p = vrampool_malloc(5000, 0, stream_of(50));
+    CHECK(p != NULL);
+    CHECK(vrampool_free_any(p + 256, NULL, NULL, NULL) != 0); /* interior */
+    CHECK(vrampool_last_error() != NULL);
+    CHECK(vrampool_free_any(p, &size, &device, &stream) == 0);
+    CHECK(size == 5000 && device == 0 && stream == stream_of(50));
+    CHECK(vrampool_free_any(p, NULL, NULL, NULL) == VRAMPOOL_ERROR_DOUBLE_FREE);
+    CHECK(vrampool_last_error() != NULL);
+
+    pthread_t t;
+    void *q = NULL;
+    CHECK(pthread_create(&t, NULL, malloc_on_a_thread, NULL) == 0);
+    CHECK(pthread_join(t, &q) == 0);
+    CHECK(q != NULL);
+    CHECK(vrampool_free_any(q, &size, NULL, &stream) == 0);
+    CHECK(size == 3000 && stream == stream_of(51));
+
+    void *r = vrampool_malloc(70000, 0, stream_of(52));
+    CHECK(r != NULL && vrampool_record_stream(r, stream_of(50)) == 0);
+    CHECK(vrampool_free_any(r, &size, &device, &stream) == 0);
+    CHECK(size == 70000 && stream == stream_of(52));
+
+    void *s = stream_of(53);
+    CHECK(vrampool_begin_allocate_to_pool(0, 8, 0) == 0);
+    void *g = vrampool_malloc_to_pool(4096, 0, s, 8, 0);
+    CHECK(g != NULL);
+    CHECK(vrampool_free_any(g, &size, &device, &stream) == 0);
+    CHECK(size == 4096 && device == 0 && stream == s);
+    CHECK(vrampool_free_any(g, NULL, NULL, NULL) == VRAMPOOL_ERROR_DOUBLE_FREE);
+    CHECK(vrampool_last_error() != NULL);
+    CHECK(vrampool_end_allocate_to_pool(0, 8, 0) == 0);
+    CHECK(vrampool_release_pool(0, 8, 0) == 0);
+    CHECK(vrampool_empty_cache() == 0); /* the released graph pool goes back */
+    CHECK(stat(0, "graph_pools") == 0);
+    CHECK_NO_ERROR();
+}
+
 static void graph_pool(void) {
     void *s = stream_of(40);
     CHECK(vrampool_malloc_to_pool(4096, 0, s, 5, 0) == NULL); /* not opened */
@@ -632,6 +687,7 @@ int main(int argc, char **argv) {
     many_short_lived_streams();
     threads();
     graph_pool();
+    free_any();
     oom_handler();
     memory_fraction();
     snapshot();
