@@ -4,6 +4,8 @@
 //! - `rust_api`: `pool.alloc` + drop (the registry's pool, its default stream), the size
 //!   known only at run time, as a C caller's is (`rust_api_const_size`: the same call with
 //!   a size the compiler folds into the class lookup, which no caller of the ABI gets);
+//! - `c_abi_free_any`: the same with `vrampool_free_any` (the free by address alone that the
+//!   PyTorch allocator's deleter makes);
 //! - `c_abi`: `vrampool_malloc` + `vrampool_free` on the same pool and stream (NULL), called
 //!   as the C functions they are (the `.so` exports the same code; a C caller adds the
 //!   call through the PLT and its thread-locals' general-dynamic lookups);
@@ -25,7 +27,7 @@ use vrampool::registry;
 
 #[path = "support/abi.rs"]
 mod abi;
-use abi::{free, malloc, setup};
+use abi::{free, free_any, malloc, setup};
 
 #[path = "support/bestfit.rs"]
 mod bestfit;
@@ -45,6 +47,7 @@ fn hot_pair(c: &mut Criterion) {
     g.bench_function("rust_api", |b| b.iter(|| drop(black_box(pool.alloc(black_box(HOT), &stream).unwrap()))));
     g.bench_function("rust_api_const_size", |b| b.iter(|| drop(black_box(pool.alloc(HOT, &stream).unwrap()))));
     g.bench_function("c_abi", |b| b.iter(|| free(black_box(malloc(black_box(HOT))), HOT)));
+    g.bench_function("c_abi_free_any", |b| b.iter(|| free_any(black_box(malloc(black_box(HOT))))));
     let bf = BestFit::new(0, 1 << 40);
     g.bench_function("bestfit", |b| {
         b.iter(|| {

@@ -5,7 +5,7 @@
 
 use std::ffi::c_void;
 
-use vrampool::ffi::{vrampool_free, vrampool_last_error, vrampool_malloc};
+use vrampool::ffi::{vrampool_free, vrampool_free_any, vrampool_last_error, vrampool_malloc};
 use vrampool::registry::{self, Config, DeviceChoice};
 
 const NULL: *mut c_void = std::ptr::null_mut();
@@ -33,4 +33,12 @@ pub fn malloc(size: usize) -> *mut c_void {
 pub fn free(p: *mut c_void, size: usize) {
     // SAFETY: a block of this size from `malloc` on the same device and stream.
     unsafe { vrampool_free(p, size as isize, 0, NULL) }
+}
+
+/// `vrampool_free_any(p, ...)` of a block from [`malloc`] (by its address alone, as the
+/// PyTorch allocator's deleter frees), which must succeed.
+pub fn free_any(p: *mut c_void) {
+    // SAFETY: a live block from `malloc`; no size, device or stream is asked back.
+    let rc = unsafe { vrampool_free_any(p, std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut()) };
+    assert_eq!(rc, 0, "vrampool_free_any");
 }

@@ -379,10 +379,50 @@ fn free_checked(addr: u64, size: ssize_t, device: c_int, raw: u64) -> Result<(),
 }
 
 /// `vrampool_free_any`: free the block at `addr` (not NULL) as allocated, found by its
-/// address on whichever device or graph pool holds it; returns what it was.
+/// address on whichever device or graph pool holds it; returns what it was. The owner's
+/// free of a block of its memo's device takes the hot path, as `vrampool_free` does.
+pub(super) fn free_any(addr: u64) -> Result<graph::Freed, AbiError> {
+    match MEMO.try_with(|m| free_any_hit(m, addr)) {
+        Ok(Some(was)) => Ok(was),
+        _ => free_any_slow(addr),
+    }
+}
+
+/// [`free_any`]'s hot path: the memo's device holds `addr`, and this thread's unboxed
+/// block starts there.
+#[inline(always)]
+fn free_any_hit(m: &memo::Memo, addr: u64) -> Option<graph::Freed> {
+    let device = m.free_device.get();
+    if device < 0 {
+        return None;
+    }
+    let table = m.table();
+    let idx = table.index(addr)?;
+    // SAFETY: `free_device` names a device only while the thread holds its owner record.
+    let mine = unsafe { &*m.owner_rec.get() };
+    let (info, size_class) = table.free_owned_any(idx, mine, m.owner.get())?;
+    let (len, token) = words::unpack(info);
+    let mut was = graph::Freed { len, raw: m.raw.get(), device: device as usize };
+    if token == m.token.get() {
+        // The memo's stream: its cache takes the block as `free`'s hot path does.
+        let shared = m.shared.get();
+        let (class, size) = class_and_size(size_class);
+        // SAFETY: a non-null `shared` is held by the thread's `CACHES` (memo docs).
+        if shared.is_null() || !unsafe { &*shared }.try_push_fast(class as usize, size, addr) {
+            free_freed(m, addr, len, size_class);
+        }
+    } else {
+        // SAFETY: the memo names a device while `free_device` does; devices live for ever.
+        let dev = unsafe { &*m.dev.get() };
+        was.raw = stream_raw(dev, token).unwrap_or(0);
+        give_back(dev, idx, Words { info, size: size_class, ext: false });
+    }
+    Some(was)
+}
+
 #[cold]
 #[inline(never)]
-pub(super) fn free_any(addr: u64) -> Result<graph::Freed, AbiError> {
+fn free_any_slow(addr: u64) -> Result<graph::Freed, AbiError> {
     let _relaxed = relaxed();
     free_in("vrampool_free_any", device::holding(addr), addr, None)
 }

@@ -236,6 +236,26 @@ impl<'a> TableView<'a> {
     /// return its size word. `None` changes nothing: take [`Table::free_owned_with`].
     #[inline(always)]
     pub fn free_owned(&self, idx: usize, me: &Owner, me_id: usize, info: u64) -> Option<u64> {
+        self.free_owned_if(idx, me, me_id, |i| i == info).map(|(_, size)| size)
+    }
+
+    /// As [`TableView::free_owned`], whatever the block's info word: returns it with the
+    /// size word (the free by address alone, `vrampool_free_any`).
+    #[inline(always)]
+    pub fn free_owned_any(&self, idx: usize, me: &Owner, me_id: usize) -> Option<(u64, u64)> {
+        self.free_owned_if(idx, me, me_id, |_| true)
+    }
+
+    /// The owner's hot-path free: if the slot is live, owned by `me`, not boxed, and `wanted`
+    /// takes its info word, mark it free and return (info, size).
+    #[inline(always)]
+    fn free_owned_if(
+        &self,
+        idx: usize,
+        me: &Owner,
+        me_id: usize,
+        wanted: impl FnOnce(u64) -> bool,
+    ) -> Option<(u64, u64)> {
         // Not an assertion (as in `publish_at`): an index out of range is no slot of this
         // owner's.
         if idx >= self.len {
@@ -246,16 +266,18 @@ impl<'a> TableView<'a> {
         me.announce(idx);
         light_fence();
         let tag = slot.tag.load(Ordering::Acquire);
-        let hit = tag & !GEN_MASK == live_tag(me_id, false) && slot.info.load(Ordering::Relaxed) == info;
-        let size = if hit {
-            let size = slot.size.load(Ordering::Relaxed);
-            owner_store(&slot.tag, tag & GEN_MASK | FREE);
-            Some(size)
+        let out = if tag & !GEN_MASK == live_tag(me_id, false) {
+            let info = slot.info.load(Ordering::Relaxed);
+            wanted(info).then(|| {
+                let size = slot.size.load(Ordering::Relaxed);
+                owner_store(&slot.tag, tag & GEN_MASK | FREE);
+                (info, size)
+            })
         } else {
             None
         };
         me.clear();
-        size
+        out
     }
 }
 

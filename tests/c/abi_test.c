@@ -378,6 +378,17 @@ static void free_any(void) {
     CHECK(vrampool_free_any(p, NULL, NULL, NULL) == VRAMPOOL_ERROR_DOUBLE_FREE);
     CHECK(vrampool_last_error() != NULL);
 
+    /* This thread's blocks on two streams, freed after its memo moved to the second. */
+    void *a = vrampool_malloc(1000, 0, stream_of(54));
+    void *b = vrampool_malloc(2000, 0, stream_of(55));
+    CHECK(a != NULL && b != NULL);
+    CHECK(vrampool_free_any(a, &size, &device, &stream) == 0);
+    CHECK(size == 1000 && device == 0 && stream == stream_of(54));
+    CHECK(vrampool_free_any(b, &size, &device, &stream) == 0);
+    CHECK(size == 2000 && device == 0 && stream == stream_of(55));
+    CHECK(vrampool_free_any(a, NULL, NULL, NULL) == VRAMPOOL_ERROR_DOUBLE_FREE);
+    CHECK(vrampool_last_error() != NULL);
+
     pthread_t t;
     void *q = NULL;
     CHECK(pthread_create(&t, NULL, malloc_on_a_thread, NULL) == 0);
