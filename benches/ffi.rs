@@ -6,6 +6,8 @@
 //!   a size the compiler folds into the class lookup, which no caller of the ABI gets);
 //! - `c_abi_free_any`: the same with `vrampool_free_any` (the free by address alone that the
 //!   PyTorch allocator's deleter makes);
+//! - `c_abi_two_streams`: a pair on stream 1, then one on stream 2, each iteration (a thread
+//!   whose allocations alternate between two streams: its memo names one stream at a time);
 //! - `c_abi`: `vrampool_malloc` + `vrampool_free` on the same pool and stream (NULL), called
 //!   as the C functions they are (the `.so` exports the same code; a C caller adds the
 //!   call through the PLT and its thread-locals' general-dynamic lookups);
@@ -48,6 +50,17 @@ fn hot_pair(c: &mut Criterion) {
     g.bench_function("rust_api_const_size", |b| b.iter(|| drop(black_box(pool.alloc(HOT, &stream).unwrap()))));
     g.bench_function("c_abi", |b| b.iter(|| free(black_box(malloc(black_box(HOT))), HOT)));
     g.bench_function("c_abi_free_any", |b| b.iter(|| free_any(black_box(malloc(black_box(HOT))))));
+    g.bench_function("c_abi_two_streams", |b| {
+        b.iter(|| {
+            for s in [1usize, 2] {
+                let raw = s as *mut std::ffi::c_void;
+                // SAFETY: the simulator takes any stream value.
+                let p = unsafe { vrampool::ffi::vrampool_malloc(HOT as isize, 0, raw) };
+                // SAFETY: as allocated.
+                unsafe { vrampool::ffi::vrampool_free(black_box(p), HOT as isize, 0, raw) };
+            }
+        })
+    });
     let bf = BestFit::new(0, 1 << 40);
     g.bench_function("bestfit", |b| {
         b.iter(|| {
