@@ -22,6 +22,8 @@ lib.vrampool_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, vp]
 lib.vrampool_malloc.restype = vp
 lib.vrampool_free.argtypes = [vp, ctypes.c_ssize_t, ctypes.c_int, vp]
 lib.vrampool_free.restype = None
+lib.vrampool_free_any.argtypes = [vp, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_int), ctypes.POINTER(vp)]
+lib.vrampool_free_any.restype = ctypes.c_int
 lib.vrampool_record_stream.argtypes = [vp, vp]
 lib.vrampool_record_stream.restype = ctypes.c_int
 lib.vrampool_empty_cache.argtypes = []
@@ -160,6 +162,14 @@ def main():
     expect_error(DOUBLE_FREE)
     lib.vrampool_free(None, 5, 0, None)
     assert lib.vrampool_last_error() is None
+
+    # A free by address alone answers what the block was.
+    p = lib.vrampool_malloc(3000, 0, stream(2))
+    size, device, where = ctypes.c_size_t(0), ctypes.c_int(-1), vp()
+    assert lib.vrampool_free_any(p, ctypes.byref(size), ctypes.byref(device), ctypes.byref(where)) == 0
+    assert (size.value, device.value, where.value) == (3000, 0, stream(2).value)
+    assert lib.vrampool_free_any(p, None, None, None) == DOUBLE_FREE
+    expect_error(DOUBLE_FREE)
 
     # Blocks allocated on one thread and freed on another, each thread its own stream.
     blocks = []
