@@ -103,6 +103,10 @@ pub struct Stats {
     pub map_ns: u64,
     /// Nanoseconds spent in the device's unmap calls, for any reason.
     pub unmap_ns: u64,
+    /// Nanoseconds spent in the device's event calls (creating and recording the events that
+    /// fence frees, polling them), device waits, and the capture checks of a miss and before
+    /// events, wherever they were made: in `ladder_ns`, `release_ns` or outside both.
+    pub event_ns: u64,
     /// Bytes mapped over the pool's life (loans included: memory mapped at a second address).
     pub mapped_bytes: u64,
     /// Runs of free pages whose memory went to pages a request landed on, instead of new
@@ -183,6 +187,7 @@ pub(crate) struct Counters {
     pub release_ns: AtomicU64,
     pub map_ns: AtomicU64,
     pub unmap_ns: AtomicU64,
+    pub event_ns: AtomicU64,
 }
 
 impl Counters {

@@ -72,7 +72,7 @@ pub fn tier_table(s: &Stats) -> String {
             "ladder",
             format!(
                 "{} flushes, {} maps, {} host waits, {} steals, {} out-of-memory; {} below the caches \
-                 (allocating {}, freeing {}), of which {} mapping and {} unmapping",
+                 (allocating {}, freeing {}), of which {} mapping and {} unmapping; {} in event calls",
                 s.ladder_flushes,
                 s.ladder_maps,
                 s.ladder_waits,
@@ -82,7 +82,8 @@ pub fn tier_table(s: &Stats) -> String {
                 ms(s.ladder_ns),
                 ms(s.release_ns),
                 ms(s.map_ns),
-                ms(s.unmap_ns)
+                ms(s.unmap_ns),
+                ms(s.event_ns)
             ),
         ),
         (

@@ -133,6 +133,7 @@ impl PoolInner {
             release_ns: Counters::get_ns(&c.release_ns),
             map_ns: Counters::get_ns(&c.map_ns),
             unmap_ns: Counters::get_ns(&c.unmap_ns),
+            event_ns: Counters::get_ns(&c.event_ns),
             ladder_steals: Counters::get(&c.ladder_steals),
             ooms: Counters::get(&c.ooms),
             oom_handler_calls: Counters::get(&self.on_oom.calls),

@@ -163,7 +163,6 @@ impl PoolInner {
     pub(crate) fn settle(&self) -> bool {
         self.drain_deferred();
         let guard = epoch::pin();
-        let dev = &self.device;
         let mut settled = false;
         // The streams with states, not every slot (see `states`).
         for st in self.states() {
@@ -172,14 +171,14 @@ impl PoolInner {
             }
             // No event on a stream being captured is polled: while it is, its events are
             // graph nodes.
-            if !st.stream.is_destroyed() && dev.is_capturing(&st.stream).unwrap_or(true) {
+            if !st.stream.is_destroyed() && self.capturing(&st.stream).unwrap_or(true) {
                 continue;
             }
-            settled |= st.fence.poll(|ev| dev.query_event(ev).unwrap_or(false), &guard);
+            settled |= st.fence.poll(|ev| self.event_done(ev), &guard);
         }
         let broken = self.config.break_event_guard_for_tests;
         let b = self.cross.poll(
-            |evs| broken || evs.iter().all(|ev| dev.query_event(ev).unwrap_or(false)),
+            |evs| broken || evs.iter().all(|ev| self.event_done(ev)),
             |s| self.release_clean(s),
             &guard,
         );
@@ -202,8 +201,7 @@ impl PoolInner {
     /// which did not wait. Takes batches, large ones first, until `target` bytes have gone or
     /// the oldest of each lane cannot go (`super::cross`); returns whether any went.
     pub(crate) fn take_retiring(&self, st: &StreamState, target: u64) -> bool {
-        let dev = &self.device;
-        if self.cross.pending_bytes() == 0 || dev.is_capturing(&st.stream).unwrap_or(true) {
+        if self.cross.pending_bytes() == 0 || self.capturing(&st.stream).unwrap_or(true) {
             return false;
         }
         let broken = self.config.break_event_guard_for_tests;
@@ -217,8 +215,8 @@ impl PoolInner {
             mine && (broken
                 || batch.event().is_none_or(|evs| {
                     evs.iter().all(|ev| {
-                        dev.query_event(ev).unwrap_or(false) || {
-                            let ok = dev.stream_wait_event(&st.stream, ev).is_ok();
+                        self.event_done(ev) || {
+                            let ok = self.device_wait(&st.stream, ev);
                             waits += u64::from(ok);
                             ok
                         }
@@ -270,7 +268,7 @@ impl PoolInner {
                 continue;
             }
             let live = !stream.is_destroyed();
-            if live && (dev.is_capturing(stream).unwrap_or(true) || self.record_on(stream, fence, &guard).is_err()) {
+            if live && (self.capturing(stream).unwrap_or(true) || self.record_on(stream, fence, &guard).is_err()) {
                 continue;
             }
             // The newest event covers every free stamped so far.
@@ -346,13 +344,7 @@ impl PoolInner {
                 // runs nothing new.
                 continue;
             }
-            let ev = match self.device.create_event() {
-                Ok(ev) => ev,
-                Err(_) => return Err((span, used_on)),
-            };
-            if self.device.record_event(&ev, s).is_err() {
-                return Err((span, used_on));
-            }
+            let Ok(ev) = self.event_on(s) else { return Err((span, used_on)) };
             Counters::bump(&self.counters.events_recorded, 1);
             events.push(ev);
         }

@@ -558,7 +558,7 @@ impl PoolInner {
     /// Memory handed out during capture would be used whenever the graph replays; it is
     /// refused rather than silently shared with work outside the graph.
     fn refuse_capture(&self, st: &StreamState) -> Result<()> {
-        if self.device.is_capturing(&st.stream)? {
+        if self.capturing(&st.stream)? {
             return Err(Error::StreamCapturing);
         }
         Ok(())

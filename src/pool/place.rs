@@ -169,16 +169,14 @@ impl<'a> Judge<'a> {
     fn settle(&self) -> bool {
         let st = self.st;
         let guard = epoch::pin();
-        let dev = &self.pool.device;
         for &(slot, seq) in &self.waits {
             let Some(entry) = self.reg.slots.get(slot as usize - 1) else { return false };
             if st.waited.covers(slot, seq) {
                 // Another placement for this stream set up such a wait meanwhile.
                 continue;
             }
-            let wait = |n: u64, ev: &crate::device::Event| {
-                st.waited.wait(slot, n, || dev.stream_wait_event(&st.stream, ev).is_ok())
-            };
+            let wait =
+                |n: u64, ev: &crate::device::Event| st.waited.wait(slot, n, || self.pool.device_wait(&st.stream, ev));
             let waited = match entry.fence.covering_numbered(seq, wait, &guard) {
                 Some(ok) => ok,
                 None if entry.fence.is_complete(seq) => continue,

@@ -232,12 +232,10 @@ impl PoolInner {
         let guard = epoch::pin();
         let recorded = st.fence.record(
             || {
-                if self.device.is_capturing(&st.stream)? {
+                if self.capturing(&st.stream)? {
                     return Err(Error::StreamCapturing);
                 }
-                let ev = self.device.create_event()?;
-                self.device.record_event(&ev, &st.stream)?;
-                Ok::<_, Error>(ev)
+                self.event_on(&st.stream)
             },
             &guard,
         );
@@ -246,16 +244,35 @@ impl PoolInner {
         }
     }
 
+    /// A new event recorded on `stream` now (its time counted in `Stats::event_ns`).
+    pub(crate) fn event_on(&self, stream: &Stream) -> Result<Event> {
+        Counters::timed(&self.counters.event_ns, || {
+            let ev = self.device.create_event()?;
+            self.device.record_event(&ev, stream)?;
+            Ok(ev)
+        })
+    }
+
+    /// Whether `event` is complete (a failed query reads as not complete; counted in
+    /// `Stats::event_ns`).
+    pub(crate) fn event_done(&self, event: &Event) -> bool {
+        Counters::timed(&self.counters.event_ns, || self.device.query_event(event).unwrap_or(false))
+    }
+
+    /// Whether `stream` is being captured into a graph (counted in `Stats::event_ns`: the
+    /// check before its events are recorded or polled).
+    pub(crate) fn capturing(&self, stream: &Stream) -> Result<bool> {
+        Counters::timed(&self.counters.event_ns, || self.device.is_capturing(stream))
+    }
+
+    /// Make `stream` wait on the device for `event` (counted in `Stats::event_ns`).
+    pub(crate) fn device_wait(&self, stream: &Stream, event: &Event) -> bool {
+        Counters::timed(&self.counters.event_ns, || self.device.stream_wait_event(stream, event).is_ok())
+    }
+
     /// Record an event on `stream` now, in its `fence` log (it covers every free on it so far).
     pub(crate) fn record_on(&self, stream: &Stream, fence: &FenceLog<Event>, guard: &epoch::Guard) -> Result<u64> {
-        let seq = fence.record(
-            || {
-                let ev = self.device.create_event()?;
-                self.device.record_event(&ev, stream)?;
-                Ok::<_, Error>(ev)
-            },
-            guard,
-        )?;
+        let seq = fence.record(|| self.event_on(stream), guard)?;
         Counters::bump(&self.counters.events_recorded, 1);
         Ok(seq)
     }
@@ -267,14 +284,7 @@ impl PoolInner {
         let Some(st) = self.registry.load().by_id.get(&id).cloned() else { return };
         let guard = epoch::pin();
         self.flush_stream_depots(&st, u64::MAX, self.all_classes(), &guard);
-        let finished = st.fence.finish(
-            || {
-                let ev = self.device.create_event()?;
-                self.device.record_event(&ev, stream)?;
-                Ok::<_, Error>(ev)
-            },
-            &guard,
-        );
+        let finished = st.fence.finish(|| self.event_on(stream), &guard);
         if finished.is_ok() {
             Counters::bump(&self.counters.events_recorded, 1);
         }
