@@ -594,6 +594,10 @@ fn the_time_below_the_caches_counts_every_driver_call_it_made() {
     let least_unmap = costs.unmap(pages as u64).as_nanos() as u64;
     assert!(st.unmapped_bytes >= pages as u64 * (2 << 20));
     assert!(st.unmap_ns >= least_unmap, "unmap_ns {} under the driver's {least_unmap}", st.unmap_ns);
+    // The events that fenced the free, and their polls, are timed as well.
+    let least_events = st.events_recorded * (costs.event_create + costs.event_record).as_nanos() as u64;
+    assert!(st.events_recorded > 0, "the free was fenced by an event");
+    assert!(st.event_ns >= least_events, "event_ns {} under the driver's {least_events}", st.event_ns);
 }
 
 #[test]
