@@ -4,7 +4,8 @@
 //! cached for the old stream was freed in its order; handed to the new stream, which does
 //! not wait for the old one, it could be written while the old stream's work still reads
 //! it.) On the simulator, where the handle's value is its key whatever the stream, so only
-//! the memo's gate can tell. One test: the registry is process-wide.
+//! the memo's gate can tell; also for a stream the memo keeps among its recent ones. One
+//! test: the registry is process-wide.
 
 use std::ffi::c_void;
 use std::sync::mpsc;
@@ -80,6 +81,17 @@ fn a_handle_declared_destroyed_is_a_new_stream_for_every_thread() {
     assert_eq!(cached_stream(cached), Some(old_theirs));
     warm(mine);
     let old_mine = id_of(mine);
+    // This thread alternates with a second stream, so its memo keeps `mine` among its recent
+    // streams; each block still lands on the stream it was asked on.
+    let second = 0x5152u64;
+    for _ in 0..3 {
+        for raw in [second, mine] {
+            let p = malloc(raw);
+            free(p, raw);
+            assert_eq!(cached_stream(p), Some(id_of(raw)), "{p:#x} on {raw:#x}");
+        }
+    }
+    warm(second);
 
     // SAFETY: the simulator's streams are never destroyed under us.
     unsafe {

@@ -234,6 +234,11 @@ fn refused_malloc(size: ssize_t, device: c_int) -> *mut c_void {
 #[inline(never)]
 fn malloc_slow(size: usize, device: c_int, raw: u64) -> *mut c_void {
     let _relaxed = relaxed();
+    // A stream this thread allocated on lately: its memo names it again.
+    let recalled = |m: &memo::Memo| m.recall(device as i64, raw).then(|| malloc_hit(m, size, device, raw)).flatten();
+    if let Ok(Some(p)) = MEMO.try_with(recalled) {
+        return p;
+    }
     if let Ok(Some(p)) = MEMO.try_with(|m| malloc_hit_cuda(m, size, device, raw)) {
         return p;
     }

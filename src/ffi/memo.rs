@@ -63,6 +63,27 @@ pub(crate) struct Memo {
     pub(crate) owner_rec: Cell<*const Owner>,
     /// Whether an owner record was tried for yet.
     owner_tried: Cell<bool>,
+    /// Streams the memo named before, newest first (see [`Recent`]).
+    recent: [Cell<Option<Recent>>; RECENT],
+}
+
+/// How many streams the memo keeps besides the one it names.
+const RECENT: usize = 3;
+
+/// A stream the memo named before on its device, kept so that a thread alternating between a
+/// few streams (a compute and a copy stream) finds its cache again without the registry and
+/// its thread's cache list: valid while the registry's gate reads `gate` (no stream declared
+/// destroyed, no capture declared since) and while [`CACHES`] holds `cache`, which it does
+/// until it drops a cache, when it empties the memo's list first (`cache_for`).
+#[derive(Clone, Copy)]
+struct Recent {
+    device: i64,
+    raw: u64,
+    key: u64,
+    gate: u64,
+    rec: *const StreamRec,
+    cache: *const StreamCache,
+    shared: *const CacheShared,
 }
 
 impl Memo {
@@ -86,6 +107,7 @@ impl Memo {
             owner: Cell::new(0),
             owner_rec: Cell::new(ptr::null()),
             owner_tried: Cell::new(false),
+            recent: [const { Cell::new(None) }; RECENT],
         }
     }
 
@@ -112,6 +134,9 @@ impl Memo {
         dev: &'static AbiDevice,
         rec: &StreamRec,
     ) {
+        // Before the cache list is looked at: if it drops a cache, it empties the list of
+        // recent streams, this one included.
+        self.stash();
         let cache = cache_for(device, key, dev, rec);
         self.cache.set(cache);
         // SAFETY: a non-null cache is held by `CACHES`, as the memo's docs say.
@@ -148,6 +173,66 @@ impl Memo {
         self.alloc_device.set(if open { device } else { NOT_NAMED });
     }
 
+    /// Keep the stream the memo names among the recent ones (newest first), if it has a
+    /// cache.
+    fn stash(&self) {
+        if self.device.get() == NOT_NAMED || self.cache.get().is_null() {
+            return;
+        }
+        let now = Recent {
+            device: self.device.get(),
+            raw: self.raw.get(),
+            key: self.key.get(),
+            gate: self.gate.get(),
+            rec: self.rec.get(),
+            cache: self.cache.get(),
+            shared: self.shared.get(),
+        };
+        let mut carry = Some(now);
+        for slot in &self.recent {
+            let old = slot.replace(carry);
+            // The same stream further down is an older copy: it goes.
+            carry = old.filter(|o| (o.device, o.raw) != (now.device, now.raw));
+            if carry.is_none() {
+                break;
+            }
+        }
+    }
+
+    /// Name (`device`, `raw`) again from the recent streams, if the memo names `device` now
+    /// and the registry's gate has not moved since the stream was keyed (`malloc_hit` checks
+    /// the gate too): the memo's stream takes its place among them. False (nothing changed)
+    /// otherwise.
+    pub(crate) fn recall(&self, device: i64, raw: u64) -> bool {
+        if self.device.get() != device {
+            return false;
+        }
+        let gate = crate::registry::gate();
+        let found =
+            self.recent.iter().position(|c| c.get().is_some_and(|r| (r.device, r.raw, r.gate) == (device, raw, gate)));
+        let Some(r) = found.and_then(|i| self.recent[i].take()) else { return false };
+        self.stash();
+        // SAFETY: the registry keeps every stream record for ever.
+        let rec = unsafe { &*r.rec };
+        self.raw.set(r.raw);
+        self.key.set(r.key);
+        self.rec.set(r.rec);
+        self.stream_id.set(rec.id);
+        self.token.set(rec.token);
+        self.token_bits.set(super::words::token_bits(rec.token));
+        self.cache.set(r.cache);
+        self.shared.set(r.shared);
+        self.rearm(device, r.gate);
+        true
+    }
+
+    /// Forget the recent streams (their caches may be dropped).
+    fn clear_recent(&self) {
+        for slot in &self.recent {
+            slot.set(None);
+        }
+    }
+
     /// Take an owner record for this thread, the first time (later calls do nothing). None
     /// is taken where claimers cannot use `membarrier`: the owner's free would need a full
     /// fence, as dear as the compare-and-swap of a claim, so every free claims instead.
@@ -173,6 +258,7 @@ impl Memo {
     /// Stop naming a stream (its handle now names another): the next allocation takes the
     /// slow path, which remembers afresh. The owner record and the free path stay.
     pub(crate) fn forget(&self) {
+        self.clear_recent();
         self.device.set(NOT_NAMED);
         self.alloc_device.set(NOT_NAMED);
         self.cache.set(ptr::null());
@@ -222,6 +308,7 @@ struct Caches {
 impl Drop for Caches {
     fn drop(&mut self) {
         let _ = MEMO.try_with(|m| {
+            m.clear_recent();
             m.cache.set(ptr::null());
             m.shared.set(ptr::null());
             m.alloc_device.set(NOT_NAMED);
@@ -249,10 +336,15 @@ fn cache_for(device: i64, key: u64, dev: &AbiDevice, rec: &StreamRec) -> *const 
             // serves is inside one of these caches. The entries wait for the next call, and
             // the search matches the stream too, so a stale one is never taken.
             if !crate::pool::in_oom_handler() {
+                let before = list.len();
                 list.retain(|e| {
                     let s = e.2.stream();
                     !(s.is_destroyed() || (e.0 == device && e.1 == key && s.id() != rec.id))
                 });
+                if list.len() != before {
+                    // The memo's recent streams may point into a dropped cache.
+                    let _ = MEMO.try_with(Memo::clear_recent);
+                }
             }
             if let Some(e) = list.iter().find(|e| e.0 == device && e.1 == key && e.2.stream().id() == rec.id) {
                 return &e.2 as *const StreamCache;
