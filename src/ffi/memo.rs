@@ -4,7 +4,7 @@
 //! The memo is plain cells in a thread-local without a destructor, so the hot paths find
 //! everything with a few loads and compares: each path has its own key (`alloc_device`,
 //! `free_device`) that equals the caller's device ordinal only where that path may be taken
-//! (a cache to allocate from on a simulated device; an owner record to free with), so one
+//! (a cache to allocate from; an owner record to free with), so one
 //! compare tests them all; the allocation path also compares the registry's gate
 //! (`registry::gate`) with the one read when the handle was keyed, so a stream declared
 //! destroyed (or a capture declared, on CUDA) sends every thread's next allocation on that
@@ -12,6 +12,11 @@
 //! live for ever, a cache held by [`CACHES`] (whose destructor clears the memo first), and
 //! the thread's own owner record, given back only by [`OwnerGuard`]'s destructor (thread
 //! exit), which clears the memo's owner first.
+//!
+//! Besides the stream it names, the memo keeps the last few it named on its device, so that
+//! a thread alternating between streams names one again without the registry. Each keeps
+//! the gate it was keyed under, and [`CACHES`] empties the list whenever it drops a cache
+//! (and at thread exit): a kept stream's cache is always held.
 
 use std::cell::{Cell, RefCell};
 use std::ptr;
