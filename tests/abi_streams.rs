@@ -10,9 +10,13 @@
 use std::ffi::c_void;
 use std::sync::mpsc;
 
+#[path = "support/cached_stream.rs"]
+mod cached_stream;
+
+use cached_stream::cached_stream;
 use vrampool::ffi::*;
 use vrampool::registry::{self, Config, DeviceChoice};
-use vrampool::{BlockState, StreamId};
+use vrampool::StreamId;
 
 const SIZE: usize = 4096;
 
@@ -41,20 +45,6 @@ fn warm(raw: u64) -> u64 {
         free(p, raw);
     }
     blocks[3]
-}
-
-/// The stream the pool's picture gives the cached block at `addr`.
-fn cached_stream(addr: u64) -> Option<StreamId> {
-    let snap = registry::pool(0).unwrap().snapshot();
-    assert!(snap.exact, "every cache was read");
-    let e = snap
-        .segments
-        .iter()
-        .flat_map(|s| &s.extents)
-        .find(|e| e.addr <= addr && addr < e.addr + e.bytes)
-        .unwrap_or_else(|| panic!("{addr:#x} is in no segment"));
-    assert_eq!(e.state, BlockState::Cached, "{e:?}");
-    e.stream
 }
 
 #[test]

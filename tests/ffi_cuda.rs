@@ -5,11 +5,14 @@
 //! `cargo test --release --test ffi_cuda -- --ignored`.
 #![cfg(feature = "cuda")]
 
+#[path = "support/cached_stream.rs"]
+mod cached_stream;
 #[path = "support/cuda_registry.rs"]
 mod cuda_registry;
 
 use std::ffi::{c_void, CStr};
 
+use cached_stream::cached_stream;
 use cuda_registry::cuda_registry;
 use vrampool::ffi::*;
 use vrampool::registry;
@@ -44,15 +47,6 @@ fn stat(key: &str) -> u64 {
     let pat = format!("\"{key}\":");
     let at = json.find(&pat).unwrap_or_else(|| panic!("no {key}: {json}")) + pat.len();
     json[at..].split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
-}
-
-/// The stream the pool's picture gives the cached block at `addr`.
-fn cached_stream(addr: u64) -> Option<vrampool::StreamId> {
-    let snap = registry::pool(0).unwrap().snapshot();
-    let e = snap.segments.iter().flat_map(|s| &s.extents).find(|e| e.addr <= addr && addr < e.addr + e.bytes);
-    let e = e.unwrap_or_else(|| panic!("{addr:#x} is in no segment"));
-    assert_eq!(e.state, vrampool::BlockState::Cached, "{e:?}");
-    e.stream
 }
 
 /// Write `byte` over the block on `stream` and read it back.

@@ -293,16 +293,7 @@ pub(super) fn free(addr: u64, size: ssize_t, device: c_int, raw: u64) {
         let info = len | m.token_bits.get();
         match table.free_owned(idx, mine, m.owner.get(), info) {
             Some(size_class) => {
-                // The thread's cache for the block's stream (the slot's info word named the
-                // memo's stream) takes it as the block's own drop would, without making
-                // the block and finding the cache again.
-                let shared = m.shared.get();
-                let (class, size) = class_and_size(size_class);
-                // SAFETY: a non-null `shared` is held by the thread's `CACHES` (memo docs).
-                if !shared.is_null() && unsafe { &*shared }.try_push_fast(class as usize, size, addr) {
-                    return true;
-                }
-                free_freed(m, addr, len, size_class);
+                cache_freed(m, addr, len, size_class);
                 true
             }
             None => false,
@@ -310,6 +301,19 @@ pub(super) fn free(addr: u64, size: ssize_t, device: c_int, raw: u64) {
     });
     if done != Ok(true) {
         free_slow(addr, size, device, raw);
+    }
+}
+
+/// A hot-path free's block, its slot just freed by its owner and its info word the memo's
+/// stream's: the thread's cache for that stream takes it as the block's own drop would,
+/// without making the block and finding the cache again.
+#[inline(always)]
+fn cache_freed(m: &memo::Memo, addr: u64, len: u64, size_class: u64) {
+    let shared = m.shared.get();
+    let (class, size) = class_and_size(size_class);
+    // SAFETY: a non-null `shared` is held by the thread's `CACHES` (memo docs).
+    if shared.is_null() || !unsafe { &*shared }.try_push_fast(class as usize, size, addr) {
+        free_freed(m, addr, len, size_class);
     }
 }
 
@@ -409,13 +413,7 @@ fn free_any_hit(m: &memo::Memo, addr: u64) -> Option<graph::Freed> {
     let (len, token) = words::unpack(info);
     let mut was = graph::Freed { len, raw: m.raw.get(), device: device as usize };
     if token == m.token.get() {
-        // The memo's stream: its cache takes the block as `free`'s hot path does.
-        let shared = m.shared.get();
-        let (class, size) = class_and_size(size_class);
-        // SAFETY: a non-null `shared` is held by the thread's `CACHES` (memo docs).
-        if shared.is_null() || !unsafe { &*shared }.try_push_fast(class as usize, size, addr) {
-            free_freed(m, addr, len, size_class);
-        }
+        cache_freed(m, addr, len, size_class);
     } else {
         // SAFETY: the memo names a device while `free_device` does; devices live for ever.
         let dev = unsafe { &*m.dev.get() };

@@ -143,23 +143,30 @@ impl Memo {
         // recent streams, this one included.
         self.stash();
         let cache = cache_for(device, key, dev, rec);
-        self.cache.set(cache);
         // SAFETY: a non-null cache is held by `CACHES`, as the memo's docs say.
-        self.shared.set(if cache.is_null() { ptr::null() } else { unsafe { (*cache).shared() } });
+        let shared = if cache.is_null() { ptr::null() } else { unsafe { (*cache).shared() } };
         self.device.set(device);
-        self.raw.set(raw);
-        self.key.set(key);
         self.dev.set(dev);
         self.table.set(dev.table.view());
         self.pool.set(dev.pool.as_ptr());
-        // The record lives for ever (the registry keeps every stream's token).
-        self.rec.set(rec);
+        self.name(Recent { device, raw, key, gate, rec, cache, shared });
+        self.free_device.set(if self.owner.get() != 0 { device } else { NOT_NAMED });
+    }
+
+    /// Name stream `r` of the memo's device (its handle, record, cache), and open the hot
+    /// path for it where it may be ([`Memo::rearm`]).
+    fn name(&self, r: Recent) {
+        // SAFETY: the registry keeps every stream record (and its token) for ever.
+        let rec = unsafe { &*r.rec };
+        self.raw.set(r.raw);
+        self.key.set(r.key);
+        self.rec.set(r.rec);
         self.stream_id.set(rec.id);
         self.token.set(rec.token);
         self.token_bits.set(super::words::token_bits(rec.token));
-        self.alloc_device.set(NOT_NAMED);
-        self.rearm(device, gate);
-        self.free_device.set(if self.owner.get() != 0 { device } else { NOT_NAMED });
+        self.cache.set(r.cache);
+        self.shared.set(r.shared);
+        self.rearm(r.device, r.gate);
     }
 
     /// Open the allocation hot path for the remembered stream while the registry's gate
@@ -217,17 +224,7 @@ impl Memo {
             self.recent.iter().position(|c| c.get().is_some_and(|r| (r.device, r.raw, r.gate) == (device, raw, gate)));
         let Some(r) = found.and_then(|i| self.recent[i].take()) else { return false };
         self.stash();
-        // SAFETY: the registry keeps every stream record for ever.
-        let rec = unsafe { &*r.rec };
-        self.raw.set(r.raw);
-        self.key.set(r.key);
-        self.rec.set(r.rec);
-        self.stream_id.set(rec.id);
-        self.token.set(rec.token);
-        self.token_bits.set(super::words::token_bits(rec.token));
-        self.cache.set(r.cache);
-        self.shared.set(r.shared);
-        self.rearm(device, r.gate);
+        self.name(r);
         true
     }
 
