@@ -136,6 +136,12 @@ pub struct PageMap {
     /// sets it back if the page became free meanwhile (see [`lend`]), so no free page is
     /// left without its bit once quiet.
     free_hint: HBitmap,
+    /// One past the highest page ever mapped: no page at or above it is `MAPPED`, so
+    /// [`PageMap::next_mapped`] stops there instead of reading the rest of a chunk of page
+    /// words (tens of thousands) each time a placement meets the top of the mapped range.
+    /// Raised before a run's words say `MAPPED`, never lowered (pages above the highest
+    /// mapped page only cost a scan their words).
+    top: AtomicU64,
 }
 
 /// What [`PageMap::acquire`] asks of its caller for pages it cannot take as they are.
@@ -208,6 +214,7 @@ impl PageMap {
             active: LazyWords::new(pages),
             lent: AtomicU64::new(0),
             free_hint: HBitmap::new(pages),
+            top: AtomicU64::new(0),
         })
     }
 
@@ -362,6 +369,9 @@ impl PageMap {
         // 64-bit on every target the pool supports, so the cast is exact.
         match map.map(self.page_addr(s), (page * n as u64) as usize) {
             Ok(backing) => {
+                // Before the words: a scan that finds one of them mapped also reads `top`
+                // past it.
+                self.top.fetch_max((s + n) as u64, Ordering::AcqRel);
                 for q in s..s + n {
                     if backing == Backing::Fresh {
                         self.show_fresh(q);
@@ -715,16 +725,21 @@ impl PageMap {
     /// chunks never made are skipped at once), for placements that look for mapped memory.
     pub fn next_mapped(&self, addr: u64) -> Option<u64> {
         let mut p = (addr.checked_sub(self.base)? >> self.page_shift) as usize;
-        while p < self.words.len() {
+        // Pages at or above `top` have never been mapped (see its docs); a run mapped while
+        // this scan goes on may be missed, as one mapped just behind the scan would be.
+        let end = (self.top.load(Ordering::Acquire) as usize).min(self.words.len());
+        while p < end {
+            let base = p / CHUNK * CHUNK;
+            let stop = (base + CHUNK).min(end);
             let Some(chunk) = self.words.chunk(p / CHUNK) else {
-                p = (p / CHUNK + 1) * CHUNK;
+                p = stop;
                 continue;
             };
-            let start = p % CHUNK;
-            if let Some(j) = chunk[start..].iter().position(|w| w.load(Ordering::Acquire) & STATE == MAPPED) {
-                return Some(self.page_addr(p - start + start + j));
+            let words = &chunk[(p - base).min(chunk.len())..(stop - base).min(chunk.len())];
+            if let Some(j) = words.iter().position(|w| w.load(Ordering::Acquire) & STATE == MAPPED) {
+                return Some(self.page_addr(p + j));
             }
-            p = (p / CHUNK + 1) * CHUNK;
+            p = stop;
         }
         None
     }

@@ -307,3 +307,23 @@ fn unmapping_lent_pages_goes_lowest_first_down_to_what_it_keeps() {
     assert!(m.is_lent(P) && !m.is_lent(2 * P), "a refused page stays, the next goes");
     assert_eq!(m.mapped_bytes(), 3 * P);
 }
+
+#[test]
+fn next_mapped_finds_the_lowest_mapped_page_at_or_above_and_none_past_the_highest() {
+    let m = PageMap::new(0, 64 * P, P).unwrap();
+    assert_eq!(m.next_mapped(0), None, "nothing mapped yet");
+    for p in [3, 9, 40] {
+        m.acquire(p * P, P, true, &mut |_, _| Ok(Backing::Fresh)).unwrap();
+    }
+    let found = |a: u64| m.next_mapped(a).map(|x| x / P);
+    assert_eq!((found(0), found(3 * P), found(4 * P), found(10 * P)), (Some(3), Some(3), Some(9), Some(40)));
+    assert_eq!(found(41 * P), None);
+    // The highest page unmapped: a scan past the next one finds nothing, though it once
+    // reached that high.
+    m.release(40 * P, P);
+    assert_eq!(m.unmap_free(0, &mut |_, _, _| Ok(())), P);
+    assert_eq!((found(10 * P), found(9 * P)), (None, Some(9)));
+    // Mapped again, higher than ever: found.
+    m.acquire(63 * P, P, true, &mut |_, _| Ok(Backing::Fresh)).unwrap();
+    assert_eq!(found(10 * P), Some(63));
+}
