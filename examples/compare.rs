@@ -41,7 +41,9 @@ use std::time::{Duration, Instant};
 
 use bestfit::BestFit;
 use cudarc::driver::sys;
-use vrampool::ffi::{vrampool_empty_cache, vrampool_free, vrampool_last_error, vrampool_malloc};
+use vrampool::ffi::{
+    vrampool_empty_cache, vrampool_free, vrampool_last_error, vrampool_malloc, vrampool_stream_destroyed,
+};
 use vrampool::registry::{self, Config, DeviceChoice};
 use vrampool::replay::{replay, Report, Trace};
 use vrampool::{Block, CudaDevice, Device, Pool, PoolConfig, Stats, Stream, StreamCache};
@@ -503,6 +505,22 @@ fn empty_c_abi() {
     }
 }
 
+/// Destroy a stream the C ABI may have seen, telling it first, as its contract asks: without
+/// that, the ABI's pool may later record an event on the destroyed handle (when it flushes
+/// the cache it keeps for it), which the driver need not survive.
+fn destroy_seen_stream(dev: &CudaDevice, s: &Stream) {
+    // SAFETY: `s` is still a live stream of device 0's primary context (destroyed below).
+    if unsafe { vrampool_stream_destroyed(0, s.raw() as *mut c_void) } != 0 {
+        // SAFETY: a NUL-terminated string, valid until this thread's next call.
+        die(&format!(
+            "vrampool_stream_destroyed: {}",
+            unsafe { CStr::from_ptr(vrampool_last_error()) }.to_string_lossy()
+        ));
+    }
+    or_die("synchronize", dev.synchronize(s));
+    or_die("destroy a stream", dev.destroy_stream(s));
+}
+
 fn versus(ns: f64, vram_ns: f64) -> String {
     if !(ns.is_finite() && vram_ns.is_finite() && ns > 0.0 && vram_ns > 0.0) {
         return "—".into();
@@ -670,8 +688,7 @@ fn main() {
     };
     pool.flush_thread_cache();
     empty_c_abi();
-    or_die("synchronize", dev.synchronize(&hot_stream));
-    or_die("destroy a stream", dev.destroy_stream(&hot_stream));
+    destroy_seen_stream(&dev, &hot_stream);
     for (i, &(ns, pairs)) in hot_results.iter().enumerate() {
         let vs = if i == 0 { "—".to_string() } else { versus(ns, hot_results[0].0) };
         println!("{:<24} {:>7} {:>12} {:>11.3} {:>10}  {vs}", NAMES[i], 1, ns_text(ns), 1e3 / ns, pairs);
@@ -744,8 +761,7 @@ fn main() {
     }
     empty_c_abi();
     for s in &streams {
-        or_die("synchronize", dev.synchronize(s));
-        or_die("destroy a stream", dev.destroy_stream(s));
+        destroy_seen_stream(&dev, s);
     }
     drop(streams);
     let pool_stats: Stats = pool.stats();
