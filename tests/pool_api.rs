@@ -619,3 +619,27 @@ fn reset_peaks_measure_one_phase_and_leave_the_pools_own_peak_alone() {
     drop(b);
     pool.check().unwrap();
 }
+
+#[test]
+fn a_stream_gets_no_new_event_while_its_last_one_is_pending() {
+    let dev = SimDevice::new(1 << 30);
+    let pool = Pool::new(dev.clone(), PoolConfig::default()).unwrap();
+    let s = dev.new_stream().unwrap();
+    // Blocks above the largest cached class go back to the arena at each free: 13 of 5 MiB
+    // pass the bytes after which a stream gets an event.
+    let free_a_batch = || {
+        for _ in 0..13 {
+            drop(pool.alloc(5 << 20, &s).unwrap());
+        }
+    };
+    let recorded = || pool.stats().events_recorded;
+    dev.spin(&s, 2_000_000).unwrap();
+    free_a_batch();
+    let first = recorded();
+    assert!(first > 0, "a batch of frees records an event");
+    free_a_batch();
+    assert_eq!(recorded(), first, "the device is still behind the last event: no new one");
+    dev.synchronize(&s).unwrap();
+    free_a_batch();
+    assert_eq!(recorded(), first + 1, "the last event complete: the next batch records");
+}

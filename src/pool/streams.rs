@@ -211,10 +211,19 @@ impl PoolInner {
 
     /// `bytes` freed on `st`'s stream went back to the arena: once enough have since the
     /// stream's last event, record one, so that the fences of memory freed a while ago
-    /// complete as the device gets past them (an event is cheap, ~0.5 µs, next to the
-    /// frees it covers; one recorded only when another stream asks would always cover the
-    /// newest work, and complete only once the device is idle). Nothing is recorded where
-    /// no device call is allowed, nor on a stream being captured: a later free tries again.
+    /// complete as the device gets past them (one recorded only when another stream asks
+    /// would always cover the newest work, and complete only once the device is idle).
+    /// Nothing is recorded where no device call is allowed, nor on a stream being captured:
+    /// a later free tries again.
+    ///
+    /// **At most one event outstanding.** The stream's events seen complete are polled off
+    /// its log first, and while one is still pending no new one is recorded: the device is
+    /// behind it, so a new event would complete after it in any case, and the next free past
+    /// the threshold tries again. A record is cheap alone (~0.5 µs) but waits for the driver
+    /// behind other threads' maps and unmaps: in a 16-worker GPU run most records took 1–8 µs
+    /// and a tail of them 65 µs–8 ms, a quarter of the time below the caches
+    /// (`docs/BENCHMARKS.md`, twenty-sixth session). The poll also keeps the log short, which
+    /// every fence judgement walks.
     pub(crate) fn note_free(&self, st: &StreamState, bytes: u64) {
         const BLOCKS: u64 = 1 << 40;
         let before = st.since_event.fetch_add(BLOCKS | bytes.min(BLOCKS - 1), Ordering::AcqRel);
@@ -230,6 +239,10 @@ impl PoolInner {
             return;
         }
         let guard = epoch::pin();
+        st.fence.poll(|ev| self.event_done(ev), &guard);
+        if st.fence.has_pending(&guard) {
+            return;
+        }
         let recorded = st.fence.record(
             || {
                 if self.capturing(&st.stream)? {
