@@ -34,7 +34,7 @@
 //!   record it saw, and an event is spare only once nobody holds it, so nothing can observe
 //!   the reuse. Why: with many threads busy on the device, `cuEventCreate` took milliseconds
 //!   where `cuEventRecord` took microseconds (`docs/BENCHMARKS.md`, ninth session), and the
-//!   pool records an event for every batch of frees; PyTorch's caching allocator pools its
+//!   pool records an event for batches of frees; PyTorch's caching allocator pools its
 //!   events too. The list starts stocked (`STOCKED_EVENTS`, made when the device opens and
 //!   nothing else runs), since a busy server's first bursts would otherwise create them at
 //!   the dearest moment; [`CudaDevice::events_created`] counts the creations. A drop then

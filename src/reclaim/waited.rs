@@ -8,7 +8,8 @@
 //! freed a while before, most waits a placement would set up are of this kind (the `server`
 //! example: five to six in seven, on the simulator and on an H200), and under a busy driver
 //! each costs an event record and a wait. Where it takes memory freed since its last wait
-//! (the demo, whose streams record an event every 64 frees) a new wait is still needed.
+//! (the demo, whose streams recorded an event every 64 frees when this was measured) a new
+//! wait is still needed.
 //!
 //! # Invariants
 //!
