@@ -238,20 +238,17 @@ impl PoolInner {
             // Another thread is recording for the same frees.
             return;
         }
+        // Not polled while the stream is captured: a query there could end the user's
+        // capture, and nothing could be recorded anyway.
+        if self.capturing(&st.stream).unwrap_or(true) {
+            return;
+        }
         let guard = epoch::pin();
         st.fence.poll(|ev| self.event_done(ev), &guard);
         if st.fence.has_pending(&guard) {
             return;
         }
-        let recorded = st.fence.record(
-            || {
-                if self.capturing(&st.stream)? {
-                    return Err(Error::StreamCapturing);
-                }
-                self.event_on(&st.stream)
-            },
-            &guard,
-        );
+        let recorded = st.fence.record(|| self.event_on(&st.stream), &guard);
         if recorded.is_ok() {
             Counters::bump(&self.counters.events_recorded, 1);
         }
