@@ -285,9 +285,7 @@ impl Worker for CAbi<'_> {
         // SAFETY: a live stream of GPU 0's primary context, which the registry's pool uses.
         let p = unsafe { vrampool_malloc(bytes as isize, 0, self.raw as *mut c_void) };
         if p.is_null() {
-            // SAFETY: a NUL-terminated string, valid until this thread's next call.
-            let why = unsafe { CStr::from_ptr(vrampool_last_error()) };
-            die(&format!("vrampool_malloc({bytes}): {}", why.to_string_lossy()));
+            die(&format!("vrampool_malloc({bytes}): {}", abi_error()));
         }
         (p as u64, bytes)
     }
@@ -500,9 +498,14 @@ const NAMES: [&str; 5] =
 /// against are destroyed.
 fn empty_c_abi() {
     if vrampool_empty_cache() != 0 {
-        // SAFETY: a NUL-terminated string, valid until this thread's next call.
-        die(&format!("vrampool_empty_cache: {}", unsafe { CStr::from_ptr(vrampool_last_error()) }.to_string_lossy()));
+        die(&format!("vrampool_empty_cache: {}", abi_error()));
     }
+}
+
+/// The C ABI's message for this thread's last failed call.
+fn abi_error() -> String {
+    // SAFETY: a NUL-terminated string, valid until this thread's next call.
+    unsafe { CStr::from_ptr(vrampool_last_error()) }.to_string_lossy().into_owned()
 }
 
 /// Destroy a stream the C ABI may have seen, telling it first, as its contract asks: without
@@ -511,11 +514,7 @@ fn empty_c_abi() {
 fn destroy_seen_stream(dev: &CudaDevice, s: &Stream) {
     // SAFETY: `s` is still a live stream of device 0's primary context (destroyed below).
     if unsafe { vrampool_stream_destroyed(0, s.raw() as *mut c_void) } != 0 {
-        // SAFETY: a NUL-terminated string, valid until this thread's next call.
-        die(&format!(
-            "vrampool_stream_destroyed: {}",
-            unsafe { CStr::from_ptr(vrampool_last_error()) }.to_string_lossy()
-        ));
+        die(&format!("vrampool_stream_destroyed: {}", abi_error()));
     }
     or_die("synchronize", dev.synchronize(s));
     or_die("destroy a stream", dev.destroy_stream(s));

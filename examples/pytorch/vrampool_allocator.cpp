@@ -314,6 +314,13 @@ void free_any_deleter(void* ptr) {
   vrampool_hooks_free_any(ptr);
 }
 
+// The calling thread's current CUDA device, as the base class's allocations use.
+c10::DeviceIndex current_device() {
+  c10::DeviceIndex device = -1;
+  C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+  return device;
+}
+
 struct StatsAllocator : torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
   using Base = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
   using Base::Base;
@@ -329,8 +336,7 @@ struct StatsAllocator : torch::cuda::CUDAPluggableAllocator::CUDAPluggableAlloca
     if (lib.free_any == nullptr) {
       return Base::allocate(size);
     }
-    c10::DeviceIndex device = -1;
-    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    const c10::DeviceIndex device = current_device();
     void* p = alloc_on(size, device, c10::cuda::getCurrentCUDAStream(device));
     return {p, p, &free_any_deleter, c10::Device(c10::DeviceType::CUDA, device)};
   }
@@ -343,8 +349,7 @@ struct StatsAllocator : torch::cuda::CUDAPluggableAllocator::CUDAPluggableAlloca
     if (lib.free_any == nullptr) {
       return Base::raw_alloc(nbytes);
     }
-    c10::DeviceIndex device = -1;
-    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    const c10::DeviceIndex device = current_device();
     return alloc_on(nbytes, device, c10::cuda::getCurrentCUDAStream(device));
   }
 
@@ -352,9 +357,7 @@ struct StatsAllocator : torch::cuda::CUDAPluggableAllocator::CUDAPluggableAlloca
     if (lib.free_any == nullptr) {
       return Base::raw_alloc_with_stream(nbytes, stream);
     }
-    c10::DeviceIndex device = -1;
-    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
-    return alloc_on(nbytes, device, stream);
+    return alloc_on(nbytes, current_device(), stream);
   }
 
   void raw_delete(void* ptr) override {

@@ -248,10 +248,8 @@ impl PoolInner {
         if st.fence.has_pending(&guard) {
             return;
         }
-        let recorded = st.fence.record(|| self.event_on(&st.stream), &guard);
-        if recorded.is_ok() {
-            Counters::bump(&self.counters.events_recorded, 1);
-        }
+        // A failed record leaves its number claimed: a later free tries again.
+        let _ = self.record_on(&st.stream, &st.fence, &guard);
     }
 
     /// A new event recorded on `stream` now (its time counted in `Stats::event_ns`).
