@@ -5,7 +5,9 @@
 //! stream's id, which would invalidate the capture), allocations from the pool, frees, and
 //! another thread's cold allocations (event queries, which GLOBAL mode forbids on every
 //! thread unless the calling thread is RELAXED). Then the graph replays, writing what it
-//! captured into memory nothing else was given. Ignored without a GPU:
+//! captured into memory nothing else was given. And the Rust pool beside a capture that
+//! nothing declares to it (a cudarc server capturing a step that allocates nothing): its slow
+//! paths on another thread must not invalidate the capture. Ignored without a GPU:
 //! `cargo test --release --features cuda --test gpu_capture -- --ignored`.
 #![cfg(feature = "cuda")]
 
@@ -17,7 +19,7 @@ use std::ffi::{c_void, CStr};
 use cuda_registry::cuda_registry;
 use vrampool::cudarc::driver::sys;
 use vrampool::ffi::*;
-use vrampool::Device;
+use vrampool::{Device, Pool, PoolConfig, Stats};
 
 const MIB: usize = 1 << 20;
 const POOL: (u64, u64) = (11, 0);
@@ -136,4 +138,66 @@ fn a_capture_survives_vrampool_and_replays_into_its_own_pool() {
     assert_eq!(stats["graph_pools"], 0, "the released pool was given back: {stats}");
     assert_eq!(stats["allocated_bytes"], 0);
     assert_eq!(stats["abi_internal_errors"], 0);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn another_threads_capture_survives_the_rust_pools_slow_paths() {
+    let dev = vrampool::CudaDevice::new(0).expect("this test needs a CUDA GPU");
+    let pool = Pool::new(dev.clone(), PoolConfig::default()).unwrap();
+    let (capture, work, side) =
+        (dev.create_stream().unwrap(), dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let cs = capture.raw() as usize as sys::CUstream;
+    // Allocated before the capture, as a graph's buffers are; the graph writes 0x5a over it.
+    let target = pool.alloc(MIB, &capture).unwrap();
+    dev.synchronize(&capture).unwrap();
+    let before: Stats = pool.stats();
+
+    // SAFETY: a live stream of the primary context, bound on this thread by `alloc`.
+    check(
+        unsafe { sys::cuStreamBeginCapture_v2(cs, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL) },
+        "begin capture",
+    );
+    // SAFETY: a live block of MIB bytes; the memset is captured into the graph.
+    check(unsafe { sys::cuMemsetD8Async(target.device_ptr(), 0x5a, MIB, cs) }, "captured memset");
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            // Maps: blocks above the cached classes, each larger than the last.
+            for k in 1..=8 {
+                let b = pool.alloc(k * 8 * MIB, &work).unwrap();
+                dev.memset(b.device_ptr(), 1, b.len(), &work).unwrap();
+            }
+            // Event records and queries: blocks used on two streams, freed while in use.
+            for _ in 0..64 {
+                let b = pool.alloc(256 << 10, &work).unwrap();
+                dev.memset(b.device_ptr(), 2, b.len(), &work).unwrap();
+                b.record_stream(&side);
+            }
+            // The trim's waits for events and its unmaps.
+            pool.trim().unwrap();
+        });
+    });
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: the capture began on this stream.
+    check(unsafe { sys::cuStreamEndCapture(cs, &mut graph) }, "the capture survived the pool's slow paths");
+
+    let after = pool.stats();
+    assert!(after.unmapped_bytes > before.unmapped_bytes, "the trim unmapped: {after:?}");
+    assert!(after.events_recorded > before.events_recorded, "frees recorded events: {after:?}");
+    assert!(after.batches_retired > before.batches_retired, "events were seen complete: {after:?}");
+
+    let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+    // SAFETY: a graph just captured; its exec and the graph are destroyed below.
+    unsafe {
+        check(sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0), "instantiate");
+        check(sys::cuGraphLaunch(exec, cs), "replay");
+    }
+    let mut back = vec![0u8; MIB];
+    dev.copy_from_device(&mut back, target.device_ptr(), &capture).unwrap();
+    assert!(back.iter().all(|&b| b == 0x5a), "the replay wrote the graph's buffer");
+    // SAFETY: made above, not used after (the copy synchronized the stream).
+    unsafe {
+        check(sys::cuGraphExecDestroy(exec), "destroy exec");
+        check(sys::cuGraphDestroy(graph), "destroy graph");
+    }
 }

@@ -19,6 +19,16 @@
 //!   wait, host functions, copies, memset) check `cuStreamIsCapturing` first and fail with
 //!   [`Error::StreamCapturing`], as the simulator does. Otherwise some of them would be
 //!   recorded into the user's graph and others would invalidate the user's capture.
+//! - **Other threads' captures**: every device method runs its driver calls with the calling
+//!   thread in the RELAXED capture mode (`capture::RelaxedCapture`, set back when the call
+//!   returns), and so do the destruction of a stream or event and the device's own drop. In
+//!   the GLOBAL mode, PyTorch's default and CUDA's, the driver refuses event and stream
+//!   queries, synchronizations and memory calls on *every* thread while any thread captures,
+//!   and the refusal invalidates that capture. The pool queries events and maps pages on its
+//!   slow paths whenever a thread needs memory, and in Rust nothing tells it that another
+//!   thread began a capture (the C ABI is told, and relaxes only then), so it relaxes always:
+//!   two thread-local driver calls beside calls that cost microseconds. None of these calls
+//!   touches a capturing stream (the checks above), so relaxing them cannot corrupt a graph.
 //! - **Virtual memory**: every [`Device::map`] call is one physical allocation
 //!   (`cuMemCreate` + `cuMemMap` + `cuMemSetAccess`) of the range it is given: one page by
 //!   default, a run of pages with `PoolConfig::map_run_pages`. An allocation per page costs no
@@ -114,6 +124,10 @@ struct CudaInner {
 
 /// Locks here guard plain lists and are never held across user code; a poisoned one only
 /// means a panic elsewhere, and the list is still good.
+/// What [`CudaInner::enter`] hands back: the calling thread's capture mode, RELAXED until it
+/// drops (`None` where the driver would not exchange it).
+type CallScope = Option<RelaxedCapture>;
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -135,18 +149,20 @@ impl CudaInner {
         check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.ctx()) })
     }
 
-    /// The prologue of every device method: refuse inside host functions, destroy what was
-    /// parked, bind the context.
-    fn enter(&self) -> Result<()> {
+    /// The prologue of every device method: refuse inside host functions, put the thread in
+    /// the relaxed capture mode for the call (see the module docs), destroy what was parked,
+    /// bind the context. The call's driver calls come before the returned scope drops.
+    fn enter(&self) -> Result<CallScope> {
         if in_host_fn() {
             return Err(in_host_fn_error());
         }
+        let relaxed = RelaxedCapture::enter();
         self.bind()?;
         // Acquire: pairs with the Release store in `park`, so the list holds the entry.
         if self.any_parked.load(Ordering::Acquire) {
             self.destroy_parked();
         }
-        Ok(())
+        Ok(relaxed)
     }
 
     fn park(&self, what: Parked) {
@@ -180,7 +196,12 @@ impl CudaInner {
 
     /// Destroy a stream or an event now, or park it when on a host-function thread.
     fn dispose(&self, what: Parked) {
-        if in_host_fn() || self.bind().is_err() {
+        if in_host_fn() {
+            self.park(what);
+            return;
+        }
+        let _relaxed = RelaxedCapture::enter();
+        if self.bind().is_err() {
             self.park(what);
             return;
         }
@@ -225,14 +246,15 @@ impl CudaInner {
         raw_is_capturing(h.raw() as u64)
     }
 
-    /// The checks shared by every operation that needs the stream's work to run.
-    fn running<'a>(&self, s: &'a Stream) -> Result<&'a CudaStream> {
-        self.enter()?;
+    /// The checks shared by every operation that needs the stream's work to run, and the
+    /// scope of [`CudaInner::enter`] to hold until the operation's driver calls are done.
+    fn running<'a>(&self, s: &'a Stream) -> Result<(&'a CudaStream, CallScope)> {
+        let scope = self.enter()?;
         let h = self.stream(s)?;
         if self.capturing(h)? {
             return Err(Error::StreamCapturing);
         }
-        Ok(h)
+        Ok((h, scope))
     }
 
     fn aligned(&self, what: &str, addr: u64, bytes: u64) -> Result<()> {
@@ -282,6 +304,7 @@ impl Drop for CudaInner {
         if in_host_fn() {
             return;
         }
+        let _relaxed = RelaxedCapture::enter();
         if self.bind().is_ok() {
             self.destroy_parked();
             while let Some(e) = self.spare_events.pop() {
@@ -402,7 +425,7 @@ impl CudaDevice {
     /// Make this device's primary context current on the calling thread, for code that then
     /// calls the driver itself (kernel launches in tests, FFI).
     pub fn bind_context(&self) -> Result<()> {
-        self.inner.enter()
+        self.inner.enter().map(drop)
     }
 
     /// How many host functions panicked (the panic was caught; the stream carried on).
@@ -480,7 +503,7 @@ impl Device for CudaDevice {
     }
 
     fn mem_info(&self) -> Result<MemInfo> {
-        self.inner.enter()?;
+        let _scope = self.inner.enter()?;
         let (mut free, mut total) = (0usize, 0usize);
         // SAFETY: writes two sizes for the current (our) context.
         check("cuMemGetInfo", unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) })?;
@@ -488,7 +511,7 @@ impl Device for CudaDevice {
     }
 
     fn create_stream(&self) -> Result<Stream> {
-        self.inner.enter()?;
+        let _scope = self.inner.enter()?;
         let mut raw: sys::CUstream = std::ptr::null_mut();
         let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
         // SAFETY: writes a new stream handle of the current (our) context.
@@ -504,7 +527,7 @@ impl Device for CudaDevice {
     }
 
     unsafe fn wrap_stream(&self, raw: u64) -> Result<Stream> {
-        self.inner.enter()?;
+        let _scope = self.inner.enter()?;
         let raw = usize::try_from(raw).map_err(|_| Error::InvalidArgument(format!("{raw:#x} is not a stream")))?;
         let backend = CudaStream {
             raw,
@@ -517,7 +540,7 @@ impl Device for CudaDevice {
     }
 
     fn destroy_stream(&self, stream: &Stream) -> Result<()> {
-        self.inner.enter()?;
+        let _scope = self.inner.enter()?;
         let h = self.inner.stream(stream)?;
         // Before the stream goes: the pool records its final events here.
         implement::run_destroy_hooks(stream);
@@ -533,25 +556,25 @@ impl Device for CudaDevice {
     }
 
     fn synchronize(&self, stream: &Stream) -> Result<()> {
-        let h = self.inner.running(stream)?;
+        let (h, _scope) = self.inner.running(stream)?;
         // SAFETY: a live stream of our context, which is bound.
         check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(h.raw()) })
     }
 
     fn is_capturing(&self, stream: &Stream) -> Result<bool> {
-        self.inner.enter()?;
+        let _scope = self.inner.enter()?;
         let h = self.inner.stream(stream)?;
         self.inner.capturing(h)
     }
 
     fn synchronize_device(&self) -> Result<()> {
-        self.inner.enter()?;
+        let _scope = self.inner.enter()?;
         // SAFETY: our context is bound to this thread; the call takes no pointers.
         check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
     }
 
     fn create_event(&self) -> Result<Event> {
-        self.inner.enter()?;
+        let _scope = self.inner.enter()?;
         let raw = match self.inner.spare_events.pop() {
             Some(raw) => raw,
             None => self.inner.new_event()?,
@@ -560,14 +583,14 @@ impl Device for CudaDevice {
     }
 
     fn record_event(&self, event: &Event, stream: &Stream) -> Result<()> {
-        let h = self.inner.running(stream)?;
+        let (h, _scope) = self.inner.running(stream)?;
         let e = self.inner.event(event)?;
         // SAFETY: a live event and a live stream of our context, which is bound.
         check("cuEventRecord", unsafe { sys::cuEventRecord(e.raw(), h.raw()) })
     }
 
     fn query_event(&self, event: &Event) -> Result<bool> {
-        self.inner.enter()?;
+        let _scope = self.inner.enter()?;
         let e = self.inner.event(event)?;
         // SAFETY: a live event of our context, which is bound.
         match unsafe { sys::cuEventQuery(e.raw()) } {
@@ -578,21 +601,21 @@ impl Device for CudaDevice {
     }
 
     fn synchronize_event(&self, event: &Event) -> Result<()> {
-        self.inner.enter()?;
+        let _scope = self.inner.enter()?;
         let e = self.inner.event(event)?;
         // SAFETY: a live event of our context, which is bound.
         check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(e.raw()) })
     }
 
     fn stream_wait_event(&self, stream: &Stream, event: &Event) -> Result<()> {
-        let h = self.inner.running(stream)?;
+        let (h, _scope) = self.inner.running(stream)?;
         let e = self.inner.event(event)?;
         // SAFETY: a live event and a live stream of our context, which is bound.
         check("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(h.raw(), e.raw(), 0) })
     }
 
     fn launch_host_fn(&self, stream: &Stream, f: HostFn) -> Result<()> {
-        let h = self.inner.running(stream)?;
+        let (h, _scope) = self.inner.running(stream)?;
         // Boxed again because a `Box<dyn FnOnce>` is a fat pointer and the driver carries one
         // thin `void *`.
         let call = Box::into_raw(Box::new(HostCall { f, device: Arc::downgrade(&self.inner) }));
@@ -609,7 +632,7 @@ impl Device for CudaDevice {
     }
 
     fn copy_to_device(&self, dst: u64, src: &[u8], stream: &Stream) -> Result<()> {
-        let h = self.inner.running(stream)?;
+        let (h, _scope) = self.inner.running(stream)?;
         if src.is_empty() {
             return Ok(());
         }
@@ -622,7 +645,7 @@ impl Device for CudaDevice {
     }
 
     fn copy_from_device(&self, dst: &mut [u8], src: u64, stream: &Stream) -> Result<()> {
-        let h = self.inner.running(stream)?;
+        let (h, _scope) = self.inner.running(stream)?;
         if dst.is_empty() {
             return Ok(());
         }
@@ -636,7 +659,7 @@ impl Device for CudaDevice {
     }
 
     fn memset(&self, dst: u64, value: u8, len: usize, stream: &Stream) -> Result<()> {
-        let h = self.inner.running(stream)?;
+        let (h, _scope) = self.inner.running(stream)?;
         if len == 0 {
             return Ok(());
         }
@@ -650,7 +673,7 @@ impl Device for CudaDevice {
     }
 
     fn reserve(&self, bytes: u64) -> Result<u64> {
-        self.inner.enter()?;
+        let _scope = self.inner.enter()?;
         self.inner.aligned("reserve", 0, bytes)?;
         let size = usize::try_from(bytes).map_err(|_| Error::InvalidArgument("reserve size too large".into()))?;
         let mut base: sys::CUdeviceptr = 0;
@@ -662,7 +685,7 @@ impl Device for CudaDevice {
     }
 
     unsafe fn release(&self, base: u64, bytes: u64) -> Result<()> {
-        self.inner.enter()?;
+        let _scope = self.inner.enter()?;
         self.inner.aligned("release", base, bytes)?;
         // SAFETY: the caller guarantees nothing is mapped under the range or uses it; the
         // driver rejects a range that is not one reservation.
@@ -670,7 +693,7 @@ impl Device for CudaDevice {
     }
 
     fn map(&self, addr: u64, bytes: usize) -> Result<()> {
-        self.inner.enter()?;
+        let _scope = self.inner.enter()?;
         self.inner.aligned("map", addr, bytes as u64)?;
         let prop = self.inner.alloc_prop();
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
@@ -682,7 +705,7 @@ impl Device for CudaDevice {
     }
 
     fn alias(&self, from: u64, to: u64, bytes: usize) -> Result<()> {
-        self.inner.enter()?;
+        let _scope = self.inner.enter()?;
         self.inner.aligned("alias", to, bytes as u64)?;
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: asks the driver for the handle of the allocation mapped at `from` (it fails
@@ -701,7 +724,7 @@ impl Device for CudaDevice {
     }
 
     unsafe fn unmap(&self, addr: u64, bytes: usize) -> Result<()> {
-        self.inner.enter()?;
+        let _scope = self.inner.enter()?;
         self.inner.aligned("unmap", addr, bytes as u64)?;
         // SAFETY: the caller guarantees nothing uses the range and that it is exactly one
         // mapping (the driver rejects anything else); unmapping frees the memory, whose handle
@@ -711,7 +734,7 @@ impl Device for CudaDevice {
 
     fn spin(&self, stream: &Stream, micros: u64) -> Result<()> {
         let ns = super::spin_nanos(micros)?;
-        let h = self.inner.running(stream)?;
+        let (h, _scope) = self.inner.running(stream)?;
         // Loaded under the context `running` just bound.
         let kernel = self.inner.spin.get_or_init(SpinKernel::load).as_ref().map_err(Clone::clone)?;
         kernel.launch(h.raw(), ns)

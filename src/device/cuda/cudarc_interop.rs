@@ -109,7 +109,7 @@ impl CudaDevice {
     /// call it once and share the `Arc`, since cudarc keeps its multi-stream bookkeeping per
     /// handle.
     pub fn cudarc_context(&self) -> Result<Arc<CudaContext>> {
-        self.inner.enter()?;
+        let _scope = self.inner.enter()?;
         let missing = missing_symbols(INTEROP_SYMBOLS).map_err(Error::NoDevice)?;
         if !missing.is_empty() {
             return Err(Error::NoDevice(format!("the CUDA driver is too old: it lacks {}", missing.join(", "))));
@@ -136,7 +136,7 @@ impl CudaDevice {
     /// stream alive. Fails for a stream of another context, and for cudarc's per-thread
     /// stream (its handle names a different stream on each thread).
     pub fn wrap_cudarc_stream(&self, stream: &Arc<cudarc::driver::CudaStream>) -> Result<Stream> {
-        self.inner.enter()?;
+        let _scope = self.inner.enter()?;
         if stream.context().cu_ctx() as usize != self.inner.ctx {
             return Err(Error::InvalidArgument(format!(
                 "cudarc stream of context {:#x}, not device {}'s primary context {:#x}",
@@ -179,7 +179,7 @@ impl CudaDevice {
     /// context, wrapped: [`Stream::cudarc_stream`] gives it back to cudarc. `ctx` is the
     /// cudarc handle to make it on ([`CudaDevice::cudarc_context`], or the application's own).
     pub fn create_cudarc_stream(&self, ctx: &Arc<CudaContext>) -> Result<Stream> {
-        self.inner.enter()?;
+        let _scope = self.inner.enter()?;
         if ctx.cu_ctx() as usize != self.inner.ctx {
             return Err(Error::InvalidArgument("cudarc context is not this device's primary context".into()));
         }
@@ -199,7 +199,7 @@ impl CudaDevice {
         ctx: &Arc<CudaContext>,
         stream: &Stream,
     ) -> Result<Arc<cudarc::driver::CudaStream>> {
-        self.inner.enter()?;
+        let _scope = self.inner.enter()?;
         let h = self.inner.stream(stream)?;
         if let Some(s) = &h.cudarc {
             return Ok(Arc::clone(s));
