@@ -22,9 +22,9 @@
 //! - **Other threads' captures**: every device method runs its driver calls with the calling
 //!   thread in the RELAXED capture mode (`capture::RelaxedCapture`, set back when the call
 //!   returns), and so do the destruction of a stream or event and the device's own drop. In
-//!   the GLOBAL mode, PyTorch's default and CUDA's, the driver refuses event and stream
-//!   queries, synchronizations and memory calls on *every* thread while any thread captures,
-//!   and the refusal invalidates that capture. The pool queries events and maps pages on its
+//!   the GLOBAL mode, PyTorch's default and CUDA's, the driver refuses the calls it counts
+//!   unsafe (event and stream queries among them, measured: see `capture`) on *every* thread
+//!   while any thread captures, and the refusal invalidates that capture. The pool queries events and maps pages on its
 //!   slow paths whenever a thread needs memory, and in Rust nothing tells it that another
 //!   thread began a capture (the C ABI is told, and relaxes only then), so it relaxes always:
 //!   two thread-local driver calls beside calls that cost microseconds. None of these calls
