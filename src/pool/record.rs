@@ -2,7 +2,7 @@
 //! allocation and free it serves as a trace, in the format [`crate::replay`] plays (CSV,
 //! `op,id,size,stream`), so that a server's own workload can be replayed offline: through
 //! vrampool's configurations, the best-fit baseline and, on a GPU, `cuMemAllocAsync`
-//! (`examples/replay.rs`, `examples/compare.rs`). What RMM's logging adaptor and PyTorch's
+//! (`examples/replay.rs`, `examples/compare/`). What RMM's logging adaptor and PyTorch's
 //! memory history give their users, in the form this project's tools read.
 //!
 //! # What it owns, and its invariants

@@ -25,11 +25,12 @@
 //! cargo run --release --example compare [-- --quick] [--map-run-pages N] [--trace FILE.csv[.gz] ...]
 //! ```
 //!
-//! Without a GPU it says so and exits 0. A failing driver call is printed and exits 1.
+//! Without a GPU it says so and exits 0. A failing driver call is printed and exits 1. The
+//! allocators' adapters are the module `workers`; this file holds the workloads and the report.
 
-#[path = "../benches/support/bestfit.rs"]
+#[path = "../../benches/support/bestfit.rs"]
 mod bestfit;
-#[path = "support/trace_file.rs"]
+#[path = "../support/trace_file.rs"]
 mod trace_file;
 
 use std::collections::HashMap;
@@ -41,12 +42,10 @@ use std::time::{Duration, Instant};
 
 use bestfit::BestFit;
 use cudarc::driver::sys;
-use vrampool::ffi::{
-    vrampool_empty_cache, vrampool_free, vrampool_last_error, vrampool_malloc, vrampool_stream_destroyed,
-};
+use vrampool::ffi::{vrampool_empty_cache, vrampool_last_error, vrampool_stream_destroyed};
 use vrampool::registry::{self, Config, DeviceChoice};
 use vrampool::replay::{replay, Report, Trace};
-use vrampool::{Block, CudaDevice, Device, Pool, PoolConfig, Stats, Stream, StreamCache};
+use vrampool::{CudaDevice, Device, Pool, PoolConfig, Stats, Stream};
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -140,164 +139,12 @@ fn symbols_present() -> Result<(), String> {
 // ---------------------------------------------------------------------------------------
 // Sizes, drawn before timing (shared with benches/pool.rs).
 
-#[path = "../benches/support/sizes.rs"]
+#[path = "../../benches/support/sizes.rs"]
 mod sizes;
 use sizes::Rng;
 
-// ---------------------------------------------------------------------------------------
-// The allocators, behind one interface so every workload is the same code for all of them.
-
-trait Worker {
-    type H;
-    /// Pairs between two looks at the clock or the stop flag.
-    const CHUNK: u64;
-    fn alloc(&mut self, bytes: usize) -> Self::H;
-    fn free(&mut self, h: Self::H);
-    /// Wait until the work this worker enqueued is done.
-    fn sync(&mut self);
-}
-
-/// vrampool through the calling thread's cache for its stream.
-struct Vram<'a> {
-    cache: StreamCache,
-    dev: &'a CudaDevice,
-    stream: &'a Stream,
-}
-
-impl Worker for Vram<'_> {
-    type H = Block;
-    const CHUNK: u64 = 64;
-    #[inline(always)]
-    fn alloc(&mut self, bytes: usize) -> Block {
-        match self.cache.alloc(bytes) {
-            Ok(b) => b,
-            Err(e) => die(&format!("vrampool alloc of {bytes} B: {e}")),
-        }
-    }
-    #[inline(always)]
-    fn free(&mut self, b: Block) {
-        drop(b);
-    }
-    fn sync(&mut self) {
-        or_die("synchronize", self.dev.synchronize(self.stream));
-    }
-}
-
-/// cuMemAlloc/cuMemFree: synchronous, no stream.
-struct CuMem;
-
-impl Worker for CuMem {
-    type H = u64;
-    const CHUNK: u64 = 1;
-    #[inline(always)]
-    fn alloc(&mut self, bytes: usize) -> u64 {
-        let mut p: sys::CUdeviceptr = 0;
-        // SAFETY: writes one device pointer; the context is current on this thread.
-        ck("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut p, bytes) });
-        p
-    }
-    #[inline(always)]
-    fn free(&mut self, p: u64) {
-        // SAFETY: `p` came from cuMemAlloc and is freed once; nothing uses it.
-        ck("cuMemFree", unsafe { sys::cuMemFree_v2(p) });
-    }
-    fn sync(&mut self) {}
-}
-
-/// cuMemAllocAsync/cuMemFreeAsync on one stream, from the device's current (default) pool.
-struct CuAsync<'a> {
-    raw: sys::CUstream,
-    dev: &'a CudaDevice,
-    stream: &'a Stream,
-}
-
-impl<'a> CuAsync<'a> {
-    fn new(dev: &'a CudaDevice, stream: &'a Stream) -> Self {
-        CuAsync { raw: stream.raw() as sys::CUstream, dev, stream }
-    }
-}
-
-impl Worker for CuAsync<'_> {
-    type H = u64;
-    const CHUNK: u64 = 16;
-    #[inline(always)]
-    fn alloc(&mut self, bytes: usize) -> u64 {
-        let mut p: sys::CUdeviceptr = 0;
-        // SAFETY: a live stream of the current context; writes one device pointer.
-        ck("cuMemAllocAsync", unsafe { sys::cuMemAllocAsync(&mut p, bytes, self.raw) });
-        p
-    }
-    #[inline(always)]
-    fn free(&mut self, p: u64) {
-        // SAFETY: `p` came from cuMemAllocAsync and is freed once, in stream order.
-        ck("cuMemFreeAsync", unsafe { sys::cuMemFreeAsync(p, self.raw) });
-    }
-    fn sync(&mut self) {
-        or_die("synchronize", self.dev.synchronize(self.stream));
-    }
-}
-
-/// The mutex best-fit pool over a `cuMemAlloc` range; tracks the highest address it handed out.
-struct Bf<'a> {
-    bf: &'a BestFit,
-    high: u64,
-}
-
-impl Worker for Bf<'_> {
-    type H = (u64, u64);
-    const CHUNK: u64 = 64;
-    #[inline(always)]
-    fn alloc(&mut self, bytes: usize) -> (u64, u64) {
-        let s = bytes as u64;
-        match self.bf.alloc(s) {
-            Some(a) => {
-                self.high = self.high.max(a + s.next_multiple_of(256));
-                (a, s)
-            }
-            None => die(&format!("best-fit: no room for {bytes} B in its {} GiB range", BESTFIT_RANGE / GIB)),
-        }
-    }
-    #[inline(always)]
-    fn free(&mut self, (a, s): (u64, u64)) {
-        self.bf.free(a, s);
-    }
-    fn sync(&mut self) {}
-}
-
-/// vrampool through its C ABI: the registry's pool of GPU 0, this worker's `CUstream`.
-struct CAbi<'a> {
-    raw: u64,
-    dev: &'a CudaDevice,
-    stream: &'a Stream,
-}
-
-impl<'a> CAbi<'a> {
-    fn new(dev: &'a CudaDevice, stream: &'a Stream) -> Self {
-        CAbi { raw: stream.raw(), dev, stream }
-    }
-}
-
-impl Worker for CAbi<'_> {
-    type H = (u64, usize);
-    const CHUNK: u64 = 64;
-    #[inline(always)]
-    fn alloc(&mut self, bytes: usize) -> (u64, usize) {
-        // SAFETY: a live stream of GPU 0's primary context, which the registry's pool uses.
-        let p = unsafe { vrampool_malloc(bytes as isize, 0, self.raw as *mut c_void) };
-        if p.is_null() {
-            die(&format!("vrampool_malloc({bytes}): {}", abi_error()));
-        }
-        (p as u64, bytes)
-    }
-    #[inline(always)]
-    fn free(&mut self, (p, bytes): (u64, usize)) {
-        // SAFETY: allocated by `alloc` with this size, device and stream; freed once.
-        unsafe { vrampool_free(p as *mut c_void, bytes as isize, 0, self.raw as *mut c_void) };
-    }
-    fn sync(&mut self) {
-        or_die("synchronize", self.dev.synchronize(self.stream));
-    }
-}
+mod workers;
+use workers::{Bf, CAbi, CuAsync, CuMem, Vram, Worker};
 
 // ---------------------------------------------------------------------------------------
 // Workloads.
