@@ -643,3 +643,28 @@ fn a_stream_gets_no_new_event_while_its_last_one_is_pending() {
     free_a_batch();
     assert_eq!(recorded(), first + 1, "the last event complete: the next batch records");
 }
+
+#[test]
+fn blocks_used_on_a_busy_stream_share_its_outstanding_event() {
+    let dev = SimDevice::new(1 << 30);
+    let pool = Pool::new(dev.clone(), PoolConfig::default()).unwrap();
+    let (work, copy) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    let blocks: Vec<_> = (0..32).map(|_| pool.alloc(1 << 20, &work).unwrap()).collect();
+    // Both streams behind for a while: the events recorded for the first block stay pending.
+    dev.spin(&work, 2_000_000).unwrap();
+    dev.spin(&copy, 2_000_000).unwrap();
+    let before = pool.stats().events_recorded;
+    for b in blocks {
+        b.record_stream(&copy);
+    }
+    let recorded = pool.stats().events_recorded - before;
+    assert!(recorded <= 2, "one outstanding event per stream covers every block: {recorded} recorded for 32 blocks");
+    assert_eq!(pool.stats().retiring_bytes, 32 << 20, "no block is back before both streams get past it");
+    // Once the streams are done, the blocks come back: the stamps made after the first
+    // events get the events that cover them.
+    dev.synchronize(&work).unwrap();
+    dev.synchronize(&copy).unwrap();
+    pool.trim().unwrap();
+    assert_eq!(pool.stats().retiring_bytes, 0);
+    pool.check().unwrap();
+}

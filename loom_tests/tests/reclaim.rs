@@ -3,8 +3,9 @@
 //! later event), a cross-stream take through a device wait (the event waited on covers the
 //! free), a poller racing the device's completion of events, and the retire/event handoff
 //! of blocks used on several streams (released by a poller, or taken early behind a device
-//! wait), a free racing the stream's final event, and placements for one stream that trust
-//! each other's device waits (`Waited`).
+//! wait), a block queued behind a stamp in another stream's log (the copy-stream handoff),
+//! a free racing the stream's final event, and placements for one stream that trust each
+//! other's device waits (`Waited`).
 //!
 //! A stream is modelled by its queue: an atomic counter whose `fetch_add` is an enqueue
 //! (the driver's queue lock orders enqueues the same way) and returns the position; an
@@ -167,6 +168,92 @@ fn a_free_racing_the_final_event_is_covered_by_it() {
         done.store(true, Ordering::Release);
         log.poll(|e| e.done.load(Ordering::Acquire), &h.pin());
         assert!(log.is_complete(fence), "the final event is complete, fence {fence} is not");
+    });
+}
+
+/// A block used on another stream (`record_stream`), queued behind a *stamp* in that
+/// stream's fence log rather than an event of its own (`pool::cross`): the freeing thread
+/// stamps after the block's last use there, queues the batch, and covers the stamp (records
+/// an event unless one is outstanding), while a poller races it, covering and releasing, and
+/// the "GPU" runs the stream. Whatever the interleaving, the block is released only once the
+/// GPU has passed its last use, and once the GPU is done and the stamp covered, a poll
+/// releases it. (Release on the batch alone, without the stamp's judgement, and loom finds
+/// the release of memory in use.)
+#[test]
+fn a_block_behind_a_stamp_in_another_stream_s_log_goes_only_after_its_use_there() {
+    /// Record an event unless one is outstanding: the pool's `cover`.
+    fn cover(log: &FenceLog<u64>, queue: &AtomicU64, passed: &AtomicU64, g: &crossbeam_epoch::Guard) {
+        log.poll(|&at| passed.load(Ordering::Acquire) > at, g);
+        if !log.has_pending(g) {
+            log.record(|| Ok::<_, ()>(queue.fetch_add(1, Ordering::AcqRel)), g).unwrap();
+        }
+    }
+    loom::model(|| {
+        let collector = Arc::new(Collector::new());
+        let log: Arc<FenceLog<u64>> = Arc::new(FenceLog::new());
+        let queue = Arc::new(AtomicU64::new(0));
+        // The "GPU" has run every item enqueued below `passed`.
+        let passed = Arc::new(AtomicU64::new(0));
+        let r: Arc<Retire<u64>> = Arc::new(Retire::new());
+        let last_use = queue.fetch_add(1, Ordering::AcqRel);
+        let release_after_use = {
+            let passed = passed.clone();
+            move |_: Span| assert!(passed.load(Ordering::Acquire) > last_use, "released before the GPU passed its use")
+        };
+        let poller = {
+            let (log, queue, passed, r, c) = (log.clone(), queue.clone(), passed.clone(), r.clone(), collector.clone());
+            let release = release_after_use.clone();
+            thread::spawn(move || {
+                let h = c.register();
+                let g = h.pin();
+                r.poll(
+                    |&seq| {
+                        log.is_complete(seq) || {
+                            cover(&log, &queue, &passed, &g);
+                            log.is_complete(seq)
+                        }
+                    },
+                    release,
+                    &g,
+                )
+                .0
+            })
+        };
+        let gpu = {
+            let (queue, passed) = (queue.clone(), passed.clone());
+            thread::spawn(move || passed.store(queue.load(Ordering::Acquire), Ordering::Release))
+        };
+        // The free: stamp after the last use, queue, cover.
+        let h = collector.register();
+        {
+            let g = h.pin();
+            let seq = log.stamp();
+            r.queue_batch(Some(seq), vec![span(0)], &g);
+            cover(&log, &queue, &passed, &g);
+        }
+        let mut released = poller.join().unwrap();
+        gpu.join().unwrap();
+        // Everything enqueued is run now; poll until the stamp is covered and released.
+        passed.store(queue.load(Ordering::Acquire), Ordering::Release);
+        for _ in 0..2 {
+            let g = h.pin();
+            released += r
+                .poll(
+                    |&seq| {
+                        log.is_complete(seq) || {
+                            cover(&log, &queue, &passed, &g);
+                            passed.store(queue.load(Ordering::Acquire), Ordering::Release);
+                            log.poll(|&at| passed.load(Ordering::Acquire) > at, &g);
+                            log.is_complete(seq)
+                        }
+                    },
+                    release_after_use.clone(),
+                    &g,
+                )
+                .0;
+        }
+        assert_eq!(released, 1, "released exactly once");
+        assert_eq!(r.pending_bytes(), 0);
     });
 }
 

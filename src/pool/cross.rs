@@ -14,10 +14,35 @@
 //! Each lane is a [`Retire`] (lock-free, epoch-reclaimed; see [`crate::reclaim`]); nothing
 //! here synchronises the two, since no operation needs them to agree: a batch lives in one
 //! lane from its queueing to its release.
+//!
+//! **What a block waits for** on each stream it was used on is a [`Fence`]: a stamp in that
+//! stream's fence log when the pool keeps one for it (its state: made for a stream the first
+//! time a block is used there), else an event of its own. A stamp costs no device call at
+//! the free: the stream's next event covers it, and a stream keeps at most one event
+//! outstanding (`PoolInner::cover`), so a copy stream that many workers hand blocks to
+//! records one event per round trip, not two per block (one on each stream, as PyTorch's
+//! caching allocator and this queue did): on a GPU those records wait behind other threads'
+//! maps (`docs/BENCHMARKS.md`, twenty-sixth session). The price is latency: a stamp made
+//! while the stream's event is pending is covered only by the next one, recorded once that
+//! event is seen complete.
 
+use std::sync::Arc;
+
+use super::StreamState;
 use crate::device::Event;
 use crate::reclaim::{Batch, Retire, Span};
 use crate::sync::epoch::Guard;
+
+/// What a block used on several streams waits for on one of them.
+pub(crate) enum Fence {
+    /// Every free on the stream stamped `seq` or less: complete once its log says so.
+    Stamp(Arc<StreamState>, u64),
+    /// An event recorded for this block alone (a stream the pool keeps no log for).
+    Event(Event),
+}
+
+/// A block's fences, one per stream it was used on.
+pub(crate) type Fences = Vec<Fence>;
 
 /// Which lane a block goes to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,21 +56,21 @@ pub(crate) enum Lane {
 /// Blocks used on several streams, waiting for their events, in two lanes.
 #[derive(Default)]
 pub(crate) struct CrossQueue {
-    large: Retire<Vec<Event>>,
-    small: Retire<Vec<Event>>,
+    large: Retire<Fences>,
+    small: Retire<Fences>,
 }
 
 impl CrossQueue {
-    fn lane(&self, lane: Lane) -> &Retire<Vec<Event>> {
+    fn lane(&self, lane: Lane) -> &Retire<Fences> {
         match lane {
             Lane::Large => &self.large,
             Lane::Small => &self.small,
         }
     }
 
-    /// Queue `span` behind `events` in `lane`.
-    pub(crate) fn queue(&self, lane: Lane, events: Vec<Event>, span: Span, guard: &Guard) {
-        self.lane(lane).queue_batch(Some(events), vec![span], guard);
+    /// Queue `span` behind `fences` in `lane`.
+    pub(crate) fn queue(&self, lane: Lane, fences: Fences, span: Span, guard: &Guard) {
+        self.lane(lane).queue_batch(Some(fences), vec![span], guard);
     }
 
     /// Bytes waiting in both lanes.
@@ -58,11 +83,11 @@ impl CrossQueue {
         self.large.has_pending(guard) || self.small.has_pending(guard)
     }
 
-    /// Release, in each lane, every batch oldest first whose events `complete` says are
+    /// Release, in each lane, every batch oldest first whose fences `complete` says are
     /// done, up to the first that is not. Returns the batches released.
     pub(crate) fn poll(
         &self,
-        mut complete: impl FnMut(&Vec<Event>) -> bool,
+        mut complete: impl FnMut(&Fences) -> bool,
         mut release: impl FnMut(Span),
         guard: &Guard,
     ) -> u64 {
@@ -76,7 +101,7 @@ impl CrossQueue {
     pub(crate) fn take_while(
         &self,
         lane: Lane,
-        take: impl FnMut(&Batch<Vec<Event>>) -> bool,
+        take: impl FnMut(&Batch<Fences>) -> bool,
         release: impl FnMut(Span),
         until: u64,
         guard: &Guard,
@@ -84,9 +109,9 @@ impl CrossQueue {
         self.lane(lane).take_while(take, release, until, guard)
     }
 
-    /// Run `f` on the oldest batch's events of each lane that holds one; true if any `f`
+    /// Run `f` on the oldest batch's fences of each lane that holds one; true if any `f`
     /// returned true.
-    pub(crate) fn each_oldest(&self, mut f: impl FnMut(&Vec<Event>) -> bool, guard: &Guard) -> bool {
+    pub(crate) fn each_oldest(&self, mut f: impl FnMut(&Fences) -> bool, guard: &Guard) -> bool {
         let a = self.large.with_oldest_event(&mut f, guard).unwrap_or(false);
         let b = self.small.with_oldest_event(&mut f, guard).unwrap_or(false);
         a || b

@@ -4,7 +4,7 @@
 //! several streams released once their events complete, and free pages unmapped. The
 //! out-of-memory ladder ([`super::ladder`]) and `trim()` are made of these steps.
 
-use super::cross::Lane;
+use super::cross::{Fence, Fences, Lane};
 use super::local;
 use super::place::KEEP_FREE_CHUNKS;
 use super::{PoolInner, StreamState};
@@ -178,7 +178,7 @@ impl PoolInner {
         }
         let broken = self.config.break_event_guard_for_tests;
         let b = self.cross.poll(
-            |evs| broken || evs.iter().all(|ev| self.event_done(ev)),
+            |fences| broken || fences.iter().all(|f| self.fence_done(f, &guard)),
             |s| self.release_clean(s),
             &guard,
         );
@@ -206,24 +206,24 @@ impl PoolInner {
         }
         let broken = self.config.break_event_guard_for_tests;
         let mut waits = 0;
-        let mut take = |batch: &crate::reclaim::Batch<Vec<crate::device::Event>>| {
+        let guard = epoch::pin();
+        let mut take = |batch: &crate::reclaim::Batch<Fences>| {
             let mut mine = true;
             batch.for_each_span(|s| {
                 mine &= self.space.is_large(s.size) || self.space.owner(s.addr).is_none_or(|(slot, _)| slot == st.slot)
             });
             // The broken guard (a test switch) lets the memory cross unguarded.
             mine && (broken
-                || batch.event().is_none_or(|evs| {
-                    evs.iter().all(|ev| {
-                        self.event_done(ev) || {
-                            let ok = self.device_wait(&st.stream, ev);
+                || batch.event().is_none_or(|fences| {
+                    fences.iter().all(|f| {
+                        self.fence_done(f, &guard) || {
+                            let ok = self.wait_on_fence(&st.stream, f, &guard);
                             waits += u64::from(ok);
                             ok
                         }
                     })
                 }))
         };
-        let guard = epoch::pin();
         let (mut batches, mut bytes) = (0, 0);
         for lane in [Lane::Large, Lane::Small] {
             let (b, n) = self.cross.take_while(
@@ -279,7 +279,19 @@ impl PoolInner {
                 waited = true;
             }
         }
-        waited |= self.cross.each_oldest(|evs| evs.iter().all(|ev| dev.synchronize_event(ev).is_ok()), &guard);
+        waited |= self.cross.each_oldest(
+            |fences| {
+                fences.iter().all(|f| match f {
+                    Fence::Event(ev) => dev.synchronize_event(ev).is_ok(),
+                    // The loop above recorded on every stream with stamps nothing covered.
+                    Fence::Stamp(fst, seq) => {
+                        fst.fence.is_complete(*seq)
+                            || fst.fence.covering(*seq, |ev| dev.synchronize_event(ev).is_ok(), &guard) == Some(true)
+                    }
+                })
+            },
+            &guard,
+        );
         drop(guard);
         self.settle();
         waited
@@ -333,10 +345,16 @@ impl PoolInner {
         }
     }
 
-    /// Queue a block used on several streams behind one event per live stream.
+    /// Queue a block used on several streams behind a fence on each live stream (module
+    /// `cross`): a stamp in the stream's log, covered by its next event, or where the pool
+    /// can keep no log for the stream, an event of its own.
     #[allow(clippy::result_large_err)]
     fn retire_cross(&self, span: Span, used_on: Vec<Stream>) -> std::result::Result<(), (Span, Vec<Stream>)> {
-        let mut events = Vec::with_capacity(used_on.len());
+        if crate::device::in_host_fn() {
+            return Err((span, used_on));
+        }
+        let guard = epoch::pin();
+        let mut fences = Vec::with_capacity(used_on.len());
         for s in &used_on {
             if s.is_destroyed() {
                 // Its final event was recorded at destroy time and covers the block; waiting
@@ -344,13 +362,62 @@ impl PoolInner {
                 // runs nothing new.
                 continue;
             }
+            if let Some(st) = self.state_for_fence(s) {
+                // After the block's last use there was enqueued (the caller's free).
+                let seq = st.fence.stamp();
+                self.cover(&st, &guard);
+                fences.push(Fence::Stamp(st, seq));
+                continue;
+            }
             let Ok(ev) = self.event_on(s) else { return Err((span, used_on)) };
             Counters::bump(&self.counters.events_recorded, 1);
-            events.push(ev);
+            fences.push(Fence::Event(ev));
         }
         let lane = if self.in_extents(span) { Lane::Large } else { Lane::Small };
-        self.cross.queue(lane, events, span, &epoch::pin());
+        self.cross.queue(lane, fences, span, &guard);
         Ok(())
+    }
+
+    /// Whether a block's fence on one stream is complete. A stamp not complete yet is covered
+    /// (`cover`: an event recorded unless one is outstanding), so that a stream nobody frees
+    /// on, a copy stream, still gets the event its stamps wait for.
+    fn fence_done(&self, f: &Fence, guard: &epoch::Guard) -> bool {
+        match f {
+            Fence::Event(ev) => self.event_done(ev),
+            Fence::Stamp(st, seq) => {
+                st.fence.is_complete(*seq) || {
+                    self.cover(st, guard);
+                    st.fence.is_complete(*seq)
+                }
+            }
+        }
+    }
+
+    /// Make `stream` wait on the device for a block's fence on another stream: its event, or
+    /// for a stamp the event that covers it (recorded now if none does). False if no wait
+    /// could be set up.
+    fn wait_on_fence(&self, stream: &Stream, f: &Fence, guard: &epoch::Guard) -> bool {
+        match f {
+            Fence::Event(ev) => self.device_wait(stream, ev),
+            Fence::Stamp(st, seq) => {
+                if let Some(ok) = st.fence.covering(*seq, |ev| self.device_wait(stream, ev), guard) {
+                    return ok;
+                }
+                if st.fence.is_complete(*seq) {
+                    return true;
+                }
+                if st.destroyed.load(crate::sync::atomic::Ordering::Acquire)
+                    || self.capturing(&st.stream).unwrap_or(true)
+                    || self.record_on(&st.stream, &st.fence, guard).is_err()
+                {
+                    return false;
+                }
+                // A poller may have seen the new event complete (and dropped it) already.
+                st.fence
+                    .covering(*seq, |ev| self.device_wait(stream, ev), guard)
+                    .unwrap_or_else(|| st.fence.is_complete(*seq))
+            }
+        }
     }
 
     /// `record_stream` blocks dropped where no device call was allowed get their events now.

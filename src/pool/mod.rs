@@ -114,6 +114,9 @@ impl Drop for LastHandle {
 }
 
 pub(crate) struct PoolInner {
+    /// The pool itself, for paths that make a stream's state (which registers a hook holding
+    /// the pool weakly) from a plain reference: a block's free.
+    me: std::sync::Weak<PoolInner>,
     device: Arc<dyn Device>,
     pub(crate) config: PoolConfig,
     /// `max_reserved` as made: what the address range and each stream's arena are sized
@@ -234,7 +237,8 @@ impl Pool {
         };
         let preallocate = config.preallocate;
         let sites = sites::Sites::new(config.track_sites);
-        let inner = Arc::new(PoolInner {
+        let inner = Arc::new_cyclic(|me| PoolInner {
+            me: me.clone(),
             device,
             config,
             ceiling: max_reserved,

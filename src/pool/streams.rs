@@ -240,16 +240,37 @@ impl PoolInner {
         }
         // Not polled while the stream is captured: a query there could end the user's
         // capture, and nothing could be recorded anyway.
+        self.cover(st, &epoch::pin());
+    }
+
+    /// Make sure an event will cover every free stamped on `st`'s stream so far: record one
+    /// now, unless one is outstanding (the next, recorded once it is seen complete, covers
+    /// them: a new one would complete after it anyway) or the stream cannot take one now
+    /// (destroyed, on a host-function thread, or being captured: not even polled then, as a
+    /// query there could end the user's capture). Polls the stream's log first.
+    pub(crate) fn cover(&self, st: &StreamState, guard: &epoch::Guard) {
+        if st.destroyed.load(Ordering::Acquire) || crate::device::in_host_fn() {
+            return;
+        }
         if self.capturing(&st.stream).unwrap_or(true) {
             return;
         }
-        let guard = epoch::pin();
-        st.fence.poll(|ev| self.event_done(ev), &guard);
-        if st.fence.has_pending(&guard) {
+        st.fence.poll(|ev| self.event_done(ev), guard);
+        if st.fence.has_pending(guard) {
             return;
         }
-        // A failed record leaves its number claimed: a later free tries again.
-        let _ = self.record_on(&st.stream, &st.fence, &guard);
+        // A failed record leaves its number claimed: a later cover tries again.
+        let _ = self.record_on(&st.stream, &st.fence, guard);
+    }
+
+    /// The state of `stream` for fencing a block used there (`record_stream`): made the
+    /// first time, as for an allocation. `None` while the pool is being dropped, or for a
+    /// stream it cannot serve (destroyed, or past the most streams a pool keeps).
+    pub(crate) fn state_for_fence(&self, stream: &Stream) -> Option<Arc<StreamState>> {
+        if let Some(st) = self.registry.load().by_id.get(&stream.id()) {
+            return Some(Arc::clone(st));
+        }
+        self.me.upgrade()?.stream_state(stream).ok()
     }
 
     /// A new event recorded on `stream` now (its time counted in `Stats::event_ns`).
