@@ -129,7 +129,8 @@ pub struct Stats {
     pub arena_free_bytes: u64,
     /// Bytes on mapped pages that no block holds.
     pub free_mapped_bytes: u64,
-    /// The largest free stretch of mapped memory.
+    /// The largest free stretch of mapped memory that one block could take (a stream's
+    /// chunk counts by its largest free piece).
     pub largest_free_mapped: u64,
 }
 

@@ -668,3 +668,17 @@ fn blocks_used_on_a_busy_stream_share_its_outstanding_event() {
     assert_eq!(pool.stats().retiring_bytes, 0);
     pool.check().unwrap();
 }
+
+#[test]
+fn the_largest_free_stretch_is_what_one_block_could_take() {
+    let dev = SimDevice::new(1 << 30);
+    let pool = Pool::new(dev.clone(), PoolConfig::default()).unwrap();
+    let s = dev.new_stream().unwrap();
+    // One small block: its stream's chunk of 2 MiB, the rest free in buddies of 4 KiB to
+    // 1 MiB, side by side.
+    let small = pool.alloc(4096, &s).unwrap();
+    let st = pool.stats();
+    assert_eq!(st.free_mapped_bytes, (2 << 20) - 4096, "the rest of the chunk is free: {st:?}");
+    assert_eq!(st.largest_free_mapped, 1 << 20, "no block spans two of a chunk's pieces: {st:?}");
+    drop(small);
+}
