@@ -682,3 +682,24 @@ fn the_largest_free_stretch_is_what_one_block_could_take() {
     assert_eq!(st.largest_free_mapped, 1 << 20, "no block spans two of a chunk's pieces: {st:?}");
     drop(small);
 }
+
+#[test]
+fn blocks_behind_a_stream_destroyed_before_its_next_event_still_come_back() {
+    let dev = SimDevice::new(1 << 30);
+    let pool = Pool::new(dev.clone(), PoolConfig::default()).unwrap();
+    let (work, copy) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    let blocks: Vec<_> = (0..8).map(|_| pool.alloc(1 << 20, &work).unwrap()).collect();
+    dev.spin(&copy, 50_000).unwrap();
+    // The first free records the copy stream's event; the later ones wait for its next,
+    // which never comes: the stream is destroyed first, and its final event covers them.
+    for b in blocks {
+        b.record_stream(&copy);
+    }
+    dev.destroy_stream(&copy).unwrap();
+    dev.synchronize(&work).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    pool.trim().unwrap();
+    pool.check().unwrap();
+    let st = pool.stats();
+    assert_eq!((st.allocated_bytes, st.retiring_bytes), (0, 0), "{st:?}");
+}
