@@ -644,12 +644,19 @@ fn a_stream_gets_no_new_event_while_its_last_one_is_pending() {
     assert_eq!(recorded(), first + 1, "the last event complete: the next batch records");
 }
 
-#[test]
-fn blocks_used_on_a_busy_stream_share_its_outstanding_event() {
+/// A pool on a fresh simulator, a worker's stream and a copy stream, and `n` blocks of 1 MiB
+/// allocated on the worker's.
+fn work_and_copy(n: usize) -> (SimDevice, Pool, Stream, Stream, Vec<Block>) {
     let dev = SimDevice::new(1 << 30);
     let pool = Pool::new(dev.clone(), PoolConfig::default()).unwrap();
     let (work, copy) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
-    let blocks: Vec<_> = (0..32).map(|_| pool.alloc(1 << 20, &work).unwrap()).collect();
+    let blocks = (0..n).map(|_| pool.alloc(1 << 20, &work).unwrap()).collect();
+    (dev, pool, work, copy, blocks)
+}
+
+#[test]
+fn blocks_used_on_a_busy_stream_share_its_outstanding_event() {
+    let (dev, pool, work, copy, blocks) = work_and_copy(32);
     // Both streams behind for a while: the events recorded for the first block stay pending.
     dev.spin(&work, 2_000_000).unwrap();
     dev.spin(&copy, 2_000_000).unwrap();
@@ -685,10 +692,7 @@ fn the_largest_free_stretch_is_what_one_block_could_take() {
 
 #[test]
 fn blocks_behind_a_stream_destroyed_before_its_next_event_still_come_back() {
-    let dev = SimDevice::new(1 << 30);
-    let pool = Pool::new(dev.clone(), PoolConfig::default()).unwrap();
-    let (work, copy) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
-    let blocks: Vec<_> = (0..8).map(|_| pool.alloc(1 << 20, &work).unwrap()).collect();
+    let (dev, pool, work, copy, blocks) = work_and_copy(8);
     dev.spin(&copy, 50_000).unwrap();
     // The first free records the copy stream's event; the later ones wait for its next,
     // which never comes: the stream is destroyed first, and its final event covers them.
