@@ -24,11 +24,12 @@
 //!   returns), and so do the destruction of a stream or event and the device's own drop. In
 //!   the GLOBAL mode, PyTorch's default and CUDA's, the driver refuses the calls it counts
 //!   unsafe (event and stream queries among them, measured: see `capture`) on *every* thread
-//!   while any thread captures, and the refusal invalidates that capture. The pool queries events and maps pages on its
-//!   slow paths whenever a thread needs memory, and in Rust nothing tells it that another
-//!   thread began a capture (the C ABI is told, and relaxes only then), so it relaxes always:
-//!   two thread-local driver calls beside calls that cost microseconds. None of these calls
-//!   touches a capturing stream (the checks above), so relaxing them cannot corrupt a graph.
+//!   while any thread captures, and the refusal invalidates that capture. The pool queries
+//!   events and maps pages on its slow paths whenever a thread needs memory, and in Rust
+//!   nothing tells it that another thread began a capture (the C ABI is told, and relaxes
+//!   only then), so it relaxes always: two thread-local driver calls beside calls that cost
+//!   microseconds. None of these calls touches a capturing stream (the checks above), so
+//!   relaxing them cannot corrupt a graph.
 //! - **Virtual memory**: every [`Device::map`] call is one physical allocation
 //!   (`cuMemCreate` + `cuMemMap` + `cuMemSetAccess`) of the range it is given: one page by
 //!   default, a run of pages with `PoolConfig::map_run_pages`. An allocation per page costs no
@@ -122,12 +123,12 @@ struct CudaInner {
     spare_events: crossbeam_queue::ArrayQueue<usize>,
 }
 
-/// Locks here guard plain lists and are never held across user code; a poisoned one only
-/// means a panic elsewhere, and the list is still good.
 /// What [`CudaInner::enter`] hands back: the calling thread's capture mode, RELAXED until it
 /// drops (`None` where the driver would not exchange it).
 type CallScope = Option<RelaxedCapture>;
 
+/// Locks here guard plain lists and are never held across user code; a poisoned one only
+/// means a panic elsewhere, and the list is still good.
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
