@@ -52,9 +52,7 @@ impl PoolInner {
 
     /// Every free piece of every arena, sorted by address.
     fn free_pieces(&self) -> Vec<(u64, u64)> {
-        let mut free: Vec<(u64, u64)> = self.free_pieces_tagged().into_iter().map(|(a, l, _)| (a, l)).collect();
-        free.sort_unstable();
-        free
+        self.free_pieces_tagged().into_iter().map(|(a, l, _)| (a, l)).collect()
     }
 
     /// Every free piece of every arena, sorted by address, each with whether it is the

@@ -238,8 +238,6 @@ impl PoolInner {
             // Another thread is recording for the same frees.
             return;
         }
-        // Not polled while the stream is captured: a query there could end the user's
-        // capture, and nothing could be recorded anyway.
         self.cover(st, &epoch::pin());
     }
 
