@@ -283,11 +283,9 @@ impl PoolInner {
             |fences| {
                 fences.iter().all(|f| match f {
                     Fence::Event(ev) => dev.synchronize_event(ev).is_ok(),
-                    // The loop above recorded on every stream with stamps nothing covered.
-                    Fence::Stamp(fst, seq) => {
-                        fst.fence.is_complete(*seq)
-                            || fst.fence.covering(*seq, |ev| dev.synchronize_event(ev).is_ok(), &guard) == Some(true)
-                    }
+                    Fence::Stamp(fst, seq) => self
+                        .wait_covering(&fst.stream, &fst.fence, *seq, |_, ev| dev.synchronize_event(ev).is_ok(), &guard)
+                        .unwrap_or(true),
                 })
             },
             &guard,
@@ -394,29 +392,14 @@ impl PoolInner {
     }
 
     /// Make `stream` wait on the device for a block's fence on another stream: its event, or
-    /// for a stamp the event that covers it (recorded now if none does). False if no wait
-    /// could be set up.
+    /// for a stamp the event that covers it (`wait_covering`: recorded now if none does; a
+    /// stamp already complete needs none). False if no wait could be set up.
     fn wait_on_fence(&self, stream: &Stream, f: &Fence, guard: &epoch::Guard) -> bool {
         match f {
             Fence::Event(ev) => self.device_wait(stream, ev),
-            Fence::Stamp(st, seq) => {
-                if let Some(ok) = st.fence.covering(*seq, |ev| self.device_wait(stream, ev), guard) {
-                    return ok;
-                }
-                if st.fence.is_complete(*seq) {
-                    return true;
-                }
-                if st.destroyed.load(crate::sync::atomic::Ordering::Acquire)
-                    || self.capturing(&st.stream).unwrap_or(true)
-                    || self.record_on(&st.stream, &st.fence, guard).is_err()
-                {
-                    return false;
-                }
-                // A poller may have seen the new event complete (and dropped it) already.
-                st.fence
-                    .covering(*seq, |ev| self.device_wait(stream, ev), guard)
-                    .unwrap_or_else(|| st.fence.is_complete(*seq))
-            }
+            Fence::Stamp(st, seq) => self
+                .wait_covering(&st.stream, &st.fence, *seq, |_, ev| self.device_wait(stream, ev), guard)
+                .unwrap_or(true),
         }
     }
 

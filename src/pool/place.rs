@@ -177,16 +177,8 @@ impl<'a> Judge<'a> {
             }
             let wait =
                 |n: u64, ev: &crate::device::Event| st.waited.wait(slot, n, || self.pool.device_wait(&st.stream, ev));
-            let waited = match entry.fence.covering_numbered(seq, wait, &guard) {
-                Some(ok) => ok,
-                None if entry.fence.is_complete(seq) => continue,
-                None => {
-                    if self.pool.record_on(&entry.stream, &entry.fence, &guard).is_err() {
-                        return false;
-                    }
-                    // A poller may have seen the new event complete (and dropped it) already.
-                    entry.fence.covering_numbered(seq, wait, &guard).unwrap_or_else(|| entry.fence.is_complete(seq))
-                }
+            let Some(waited) = self.pool.wait_covering(&entry.stream, &entry.fence, seq, wait, &guard) else {
+                continue;
             };
             if !waited {
                 return false;

@@ -265,9 +265,6 @@ impl PoolInner {
     /// first time, as for an allocation. `None` while the pool is being dropped, or for a
     /// stream it cannot serve (destroyed, or past the most streams a pool keeps).
     pub(crate) fn state_for_fence(&self, stream: &Stream) -> Option<Arc<StreamState>> {
-        if let Some(st) = self.registry.load().by_id.get(&stream.id()) {
-            return Some(Arc::clone(st));
-        }
         self.me.upgrade()?.stream_state(stream).ok()
     }
 
@@ -302,6 +299,31 @@ impl PoolInner {
         let seq = fence.record(|| self.event_on(stream), guard)?;
         Counters::bump(&self.counters.events_recorded, 1);
         Ok(seq)
+    }
+
+    /// Run `wait` on the event of `stream`'s `fence` log that covers frees stamped `seq`
+    /// (with that event's number), recording one first if none does yet. `None` when the
+    /// stamp is complete and needs no wait; `Some(false)` when no event could be had (a
+    /// stream being captured or destroyed refuses the record) or `wait` failed.
+    pub(crate) fn wait_covering(
+        &self,
+        stream: &Stream,
+        fence: &FenceLog<Event>,
+        seq: u64,
+        mut wait: impl FnMut(u64, &Event) -> bool,
+        guard: &epoch::Guard,
+    ) -> Option<bool> {
+        if let Some(ok) = fence.covering_numbered(seq, &mut wait, guard) {
+            return Some(ok);
+        }
+        if fence.is_complete(seq) {
+            return None;
+        }
+        if self.record_on(stream, fence, guard).is_err() {
+            return Some(false);
+        }
+        // A poller may have seen the new event complete (and dropped it) already.
+        Some(fence.covering_numbered(seq, &mut wait, guard).unwrap_or_else(|| fence.is_complete(seq)))
     }
 
     /// The stream is about to be destroyed: its depots' blocks go back to its arena, its
