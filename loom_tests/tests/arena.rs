@@ -11,7 +11,7 @@
 use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use loom::sync::Arc;
 use loom::thread;
-use vrampool::arena::pages::Backing;
+use vrampool::arena::pages::{Backing, Lent};
 use vrampool::arena::{Acquire, Arena, PageMap};
 use vrampool::Error;
 
@@ -318,6 +318,41 @@ fn a_page_a_lender_gives_back_stays_offered() {
         offered(&m, PAGE);
         t.join().unwrap();
         assert_eq!(offered(&m, PAGE), [0], "the page given back lost its hint");
+    });
+}
+
+/// A lent page is judged (its memory's page found busy, so it is put to sleep) while that
+/// page falls free and wakes it: the judgement clears the awake bit, then judges again. Whatever
+/// the interleaving, the lent page is left awake, so a placement can still take its memory
+/// back. (Without the second judgement, the clear can land after the wake's set and the page
+/// sleeps with its memory free: never switched back.)
+#[test]
+fn a_lent_page_woken_while_a_judgement_puts_it_to_sleep_stays_awake() {
+    loom::model(|| {
+        let m = Arc::new(PageMap::new(0, 2 * PAGE, PAGE).unwrap());
+        let d = Arc::new(Device::new());
+        m.acquire(0, 256, true, &mut |a, _| d.map(a).map(|()| Backing::Fresh)).unwrap();
+        assert!(m.release(0, 256));
+        // Page 0's memory goes to page 1: page 0 is lent, asleep behind the block on page 1.
+        let lend = |m: &PageMap, a, l| match m.lend(a, l, &mut |_, _| true, &mut |_, _, _| Ok(())) {
+            true => Ok(Backing::Lent),
+            false => Err(Error::NotPermitted("nothing to lend")),
+        };
+        m.acquire(PAGE, 256, true, &mut |a, l| lend(&m, a, l)).unwrap();
+        assert_eq!(m.lent(0), Lent::Asleep);
+        // Freed (page 0 wakes), then taken again: page 0 is awake with its memory busy.
+        assert!(m.release(PAGE, 256));
+        m.acquire(PAGE, 256, false, &mut |_, _| Err(Error::NotPermitted("mapped already"))).unwrap();
+        assert_eq!(m.lent(0), Lent::Awake);
+        let m1 = m.clone();
+        let t = thread::spawn(move || {
+            assert!(m1.release(PAGE, 256));
+        });
+        let judged = m.switch_source(0);
+        t.join().unwrap();
+        assert!(judged.is_none() || judged == Some(PAGE));
+        assert_eq!(m.walk_asleep_switchable(), Vec::<u64>::new(), "a lent page sleeps with its memory free");
+        assert_eq!(m.switch_source(0), Some(PAGE));
     });
 }
 

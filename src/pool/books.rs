@@ -302,6 +302,10 @@ impl PoolInner {
         if !unhinted.is_empty() {
             return broken(format!("free pages no loan can find (no hint): {unhinted:x?}"));
         }
+        let asleep = self.pages.walk_asleep_switchable();
+        if !asleep.is_empty() {
+            return broken(format!("lent pages whose memory is free, asleep (never switched back): {asleep:x?}"));
+        }
         let physical = self.pages.walk_physical();
         if physical != st.reserved_bytes {
             return broken(format!(

@@ -3,11 +3,14 @@
 //! A loan leaves the lender's page mapped and dormant (`LENT`, see
 //! [`crate::arena::pages`]); a placement that later lands on it while the memory's page is
 //! free takes the memory back with no device call (a *switch*). That is what keeps a server
-//! that repeats its layouts from mapping once warm. But every placement judges each dormant
-//! page it passes, and in a multi-threaded steady state most are dead (their memory busy
-//! where it went): the 16-thread random window on the simulator judged about 11,000 dormant
-//! pages for each one it switched back, the replays of single-stream traces 21–89
-//! (`docs/BENCHMARKS.md`, fifteenth session). So the pool keeps dormant pages up to a
+//! that repeats its layouts from mapping once warm. But placements judge the dormant pages
+//! they pass that may have come alive (*awake*, see [`crate::arena::pages`]'s `wake`: their
+//! memory's page fell free since they were last found dead), and in a multi-threaded steady
+//! state most of those are dead again: the 16-thread random window on the simulator judged
+//! about 11,000 dormant pages for each one it switched back, the replays of single-stream
+//! traces 21–89, when every page passed was judged (`docs/BENCHMARKS.md`, fifteenth
+//! session). Asleep pages are passed without a judgement and are not counted: what the bound
+//! weighs is the judgements that cost. So the pool keeps dormant pages up to a
 //! factor of its mapped pages, and the factor follows what they pay: every
 //! [`EVAL_CHECKS`] dormant pages judged, if those judgements brought fewer than one switch
 //! per [`COSTLY`], the factor halves (down to 1); more than one per [`PAYING`], it doubles

@@ -39,7 +39,7 @@ use std::sync::Arc;
 
 use super::streams::Registry;
 use super::{PoolInner, StreamState};
-use crate::arena::pages::{Backing, Mapper};
+use crate::arena::pages::{Backing, Lent, Mapper};
 use crate::arena::{fence_parts, fence_word, Acquire, CHUNK, GRANULE};
 use crate::error::{Error, OutOfMemory, Result};
 use crate::reclaim::Span;
@@ -298,8 +298,14 @@ impl PoolInner {
         // Set once claims on lent pages kept losing their memory to other threads (below):
         // the walk then passes over every lent page, judging none.
         let avoid_lent = std::cell::Cell::new(false);
+        // Asleep lent pages (their memory busy where it went, see `arena::pages::wake`) are
+        // passed a run at a time and cost no judgement: the dormant pages' bound counts only
+        // the judgements that cost.
         let skip_dead = |mut q: u64| loop {
-            if pages.is_lent(q) {
+            let lent = pages.lent(q);
+            if lent == Lent::Asleep {
+                q = pages.past_asleep(q);
+            } else if lent == Lent::Awake {
                 if !avoid_lent.get() {
                     judged.one();
                     if pages.switch_source(q).is_some() {
@@ -337,9 +343,10 @@ impl PoolInner {
             let mut p = addr / page * page;
             let mut sources = Vec::new();
             while p < addr + len {
-                let lent = pages.is_lent(p);
+                let state = pages.lent(p);
+                let lent = state != Lent::No;
                 if lent {
-                    if avoid_lent.get() {
+                    if avoid_lent.get() || state == Lent::Asleep {
                         return Err(skip_dead(p + page) - 1);
                     }
                     judged.one();

@@ -105,6 +105,8 @@ impl PageMap {
         w.store(v, Ordering::Release);
         if is_free(v) {
             self.hint_free(p);
+            // Its memory's lent pages judged it busy while it was held.
+            self.wake_lenders(p);
         }
     }
 
@@ -119,7 +121,7 @@ impl PageMap {
     }
 
     /// The page index (+1) whose blocks use the memory page `q` shows.
-    fn active_of(&self, q: usize) -> Option<usize> {
+    pub(super) fn active_of(&self, q: usize) -> Option<usize> {
         let id = self.phys.get(q, false)?.load(Ordering::Acquire).checked_sub(1)?;
         let a = self.active.get(id as usize, false)?.load(Ordering::Acquire).checked_sub(1)?;
         Some(a as usize)
@@ -127,14 +129,14 @@ impl PageMap {
 
     /// If the page at `page_addr` is lent and the page its memory serves is free now, that
     /// page's address: a block landing on the lent page would take the memory back from it
-    /// (a hint for placements, which must not want that page too).
+    /// (a hint for placements, which must not want that page too). An asleep page (see
+    /// [`wake`]) is answered at once.
     pub fn switch_source(&self, page_addr: u64) -> Option<u64> {
         let (p, _) = self.span(page_addr, 1)?;
         if self.word(p, false)?.load(Ordering::Acquire) != LENT {
             return None;
         }
-        let a = self.active_of(p)?;
-        (self.word(a, false)?.load(Ordering::Acquire) == MAPPED).then(|| self.page_addr(a))
+        self.judge_awake(p).map(|a| self.page_addr(a))
     }
 
     /// Lend the memory of a wholly free single-page run, highest first, to the page at `to`,
@@ -191,6 +193,8 @@ impl PageMap {
             // `Backing::Lent` and adds nothing to `mapped`. The lender leaves the free pages.
             self.free_mapped.fetch_sub(1, Ordering::AcqRel);
             self.lent.fetch_add(1, Ordering::AcqRel);
+            // Asleep: its memory's page is held for a block.
+            self.track_lender(id, p);
             w.store(LENT, Ordering::Release);
             self.drop_hint(p, w);
             lent = true;
@@ -229,6 +233,9 @@ impl PageMap {
         if let Some(act) = id.checked_sub(1).and_then(|id| self.active.get(id as usize, false)) {
             act.store(p as u64 + 1, Ordering::Release);
         }
+        // `a` takes `p`'s place among the memory's lent pages, asleep: `p` gets a block.
+        self.untrack_lender(id, p);
+        self.track_lender(id, a);
         // `a` leaves the free mapped pages for LENT; `p` leaves LENT with the caller's block:
         // the lent count is unchanged.
         self.free_mapped.fetch_sub(1, Ordering::AcqRel);

@@ -31,6 +31,7 @@
 //! device calls (tens of µs), never on another thread's bookkeeping.
 
 mod lend;
+mod wake;
 
 use super::hbitmap::HBitmap;
 use super::words::{LazyWords, CHUNK};
@@ -38,6 +39,8 @@ use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::yield_now;
 use crate::Error;
 use lend::HintWord;
+use wake::Wake;
+pub use wake::{Lent, SLOTS};
 
 /// The page is not backed by physical memory.
 pub const UNMAPPED: u64 = 0;
@@ -142,6 +145,8 @@ pub struct PageMap {
     /// Raised before a run's words say `MAPPED`, never lowered (pages above the highest
     /// mapped page only cost a scan their words).
     top: AtomicU64,
+    /// Which lent pages could switch back now (see [`wake`]).
+    wake: Wake,
 }
 
 /// What [`PageMap::acquire`] asks of its caller for pages it cannot take as they are.
@@ -215,6 +220,7 @@ impl PageMap {
             lent: AtomicU64::new(0),
             free_hint: HBitmap::new(pages),
             top: AtomicU64::new(0),
+            wake: Wake::new(pages),
         })
     }
 
@@ -429,6 +435,7 @@ impl PageMap {
                         if cur >> COUNT_SHIFT == 1 {
                             freed += 1;
                             hints.add(self, p);
+                            self.wake_lenders(p);
                         }
                         break;
                     }
@@ -543,6 +550,9 @@ impl PageMap {
         match unmap(self.page_addr(head), (page * n) as usize, freed) {
             Ok(()) => {
                 for q in head..=end {
+                    if from == LENT {
+                        self.untrack_lender(self.phys_of(q), q);
+                    }
                     self.drop_ref(q);
                     if let Some(w) = self.phys.get(q, false) {
                         w.store(0, Ordering::Release);
@@ -571,6 +581,7 @@ impl PageMap {
             let id = (self.next_id.fetch_add(1, Ordering::AcqRel) % n) as usize;
             let Some(r) = self.refs.get(id, true) else { continue };
             if r.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                self.forget_lenders(id as u64 + 1);
                 if let Some(w) = self.phys.get(q, true) {
                     w.store(id as u64 + 1, Ordering::Release);
                 }

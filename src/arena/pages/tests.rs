@@ -264,6 +264,7 @@ fn loans_and_their_returns_racing_keep_each_memory_at_one_mapped_page() {
         }
     });
     assert_eq!(m.walk_doubly_mapped(), vec![], "no memory serves two mapped pages, refs agree");
+    assert_eq!(m.walk_asleep_switchable(), Vec::<u64>::new(), "every lent page whose memory is free is awake");
     assert_eq!(m.walk_physical(), m.mapped_bytes(), "each memory counted once");
     let mut mapped = 0;
     m.for_each_mapped(|_, _| mapped += P);
@@ -326,4 +327,52 @@ fn next_mapped_finds_the_lowest_mapped_page_at_or_above_and_none_past_the_highes
     // Mapped again, higher than ever: found.
     m.acquire(63 * P, P, true, &mut |_, _| Ok(Backing::Fresh)).unwrap();
     assert_eq!(found(10 * P), Some(63));
+}
+
+/// One memory lent from page to page, further than a memory has slots for its lent pages:
+/// while its last page holds a block, every tracked lent page sleeps once judged (the
+/// untracked ones stay awake: nothing would wake them); when that page falls free, every one
+/// of them is awake and could take the memory back, and a walk passes the asleep ones at once.
+#[test]
+fn lent_pages_sleep_while_their_memory_is_busy_and_wake_when_it_falls_free() {
+    let hops = SLOTS + 3;
+    let m = PageMap::new(0, (hops as u64 + 2) * P, P).unwrap();
+    let mut lend = |a: u64, l: usize| match m.lend(a, l, &mut |_, _| true, &mut |_, _, _| Ok(())) {
+        true => Ok(Backing::Lent),
+        false => Err(Error::NotPermitted("nothing to lend")),
+    };
+    m.acquire(0, P, true, &mut |_, _| Ok(Backing::Fresh)).unwrap();
+    for k in 1..=hops as u64 {
+        assert!(m.release((k - 1) * P, P));
+        m.acquire(k * P, P, true, &mut lend).unwrap();
+    }
+    let last = hops as u64 * P;
+    assert_eq!(m.lent_pages(), hops as u64, "one memory, shown by every page up to the last");
+    let lenders: Vec<u64> = (0..hops as u64).map(|k| k * P).collect();
+    for &p in &lenders {
+        assert_eq!(m.switch_source(p), None, "its memory serves the block on the last page");
+    }
+    let awake = lenders.iter().filter(|&&p| m.lent(p) == Lent::Awake).count();
+    assert_eq!(awake, hops - SLOTS, "only the untracked lent pages stay awake");
+    assert_eq!(m.past_asleep(0), (SLOTS as u64) * P, "the walk passes the tracked ones in one step");
+    assert!(m.release(last, P));
+    assert_eq!(m.walk_asleep_switchable(), Vec::<u64>::new());
+    for &p in &lenders {
+        assert_eq!(m.lent(p), Lent::Awake);
+        assert_eq!(m.switch_source(p), Some(last), "the memory can come back to {p:#x}");
+    }
+    // Back to one lent page: the memory returns to page 0, and the last page sleeps behind it.
+    m.acquire(0, P, false, &mut |_, _| Err(Error::NotPermitted("no map"))).unwrap_err();
+    struct Back;
+    impl Mapper for Back {
+        fn map(&mut self, _: u64, _: usize) -> Result<Backing, Error> {
+            Err(Error::NotPermitted("no map"))
+        }
+        fn switch(&mut self, _: u64, _: u64) -> bool {
+            true
+        }
+    }
+    m.acquire(0, P, false, &mut Back).unwrap();
+    assert_eq!(m.lent(last), Lent::Asleep, "the page the memory left sleeps behind the block on page 0");
+    assert_eq!(m.lent(0), Lent::No);
 }
