@@ -9,8 +9,9 @@
 //! state most of those are dead again: the 16-thread random window on the simulator judged
 //! about 11,000 dormant pages for each one it switched back, the replays of single-stream
 //! traces 21–89, when every page passed was judged (`docs/BENCHMARKS.md`, fifteenth
-//! session). Asleep pages are passed without a judgement and are not counted: what the bound
-//! weighs is the judgements that cost. So the pool keeps dormant pages up to a
+//! session). Asleep pages are passed without a judgement, and count as an eighth of one
+//! ([`PASSES_PER_JUDGEMENT`]): what the bound weighs is what the walks pay. So the pool keeps
+//! dormant pages up to a
 //! factor of its mapped pages, and the factor follows what they pay: every
 //! [`EVAL_CHECKS`] dormant pages judged, if those judgements brought fewer than one switch
 //! per [`COSTLY`], the factor halves (down to 1); more than one per [`PAYING`], it doubles
@@ -45,6 +46,15 @@ pub const MOST_PER_MAPPED: u64 = 8;
 pub const FLOOR: u64 = 256;
 /// Dormant pages judged between two looks at what they paid.
 pub const EVAL_CHECKS: u64 = 1 << 16;
+/// Asleep dormant pages a walk passes for the cost of one judgement: about 1 ns a page
+/// passed (its word and an awake bit read in a run) against 6–8 ns a judgement (four
+/// dependent loads), in profiles of the 1-thread random window on the development machine.
+/// Counted at full cost, passes made the bound halve on warm passes of multi-stream traces
+/// whose dormant pages were mostly asleep, which then unmapped and mapped again
+/// (resnet50_4streams: 1.3–1.7 GiB unmapped a pass against none; at a quarter, threads_streams
+/// still unmapped 574 MiB); not counted, the 4-thread window kept three times the dormant
+/// pages (`docs/BENCHMARKS.md`, twenty-eighth session).
+pub const PASSES_PER_JUDGEMENT: u64 = 8;
 /// Judgements per switch above which dormant pages cost more than they pay.
 pub const COSTLY: u64 = 1024;
 /// Judgements per switch below which they pay.
@@ -54,7 +64,8 @@ pub const PAYING: u64 = 256;
 pub(crate) struct Dormant {
     /// Dormant pages kept per page mapped (1 to [`MOST_PER_MAPPED`]).
     factor: AtomicU64,
-    /// Dormant pages judged by placements, ever.
+    /// Dormant pages judged by placements, ever, in passes (a judgement is
+    /// [`PASSES_PER_JUDGEMENT`]).
     checks: Tally,
     /// `checks` at the last look.
     checks_then: AtomicU64,
@@ -83,9 +94,9 @@ impl Dormant {
         Judged { dormant: self, n: Cell::new(0) }
     }
 
-    /// Pages judged since the last look.
+    /// Pages judged since the last look (passes of asleep ones counted at their share).
     fn judged_since(&self) -> u64 {
-        self.checks.get().wrapping_sub(self.checks_then.load(Ordering::Relaxed))
+        self.checks.get().wrapping_sub(self.checks_then.load(Ordering::Relaxed)) / PASSES_PER_JUDGEMENT
     }
 
     /// Dormant pages kept per page mapped now.
@@ -105,7 +116,7 @@ impl Dormant {
     }
 }
 
-/// See [`Dormant::judging`].
+/// See [`Dormant::judging`]: counted in passes.
 pub(crate) struct Judged<'a> {
     dormant: &'a Dormant,
     n: Cell<u64>,
@@ -114,7 +125,12 @@ pub(crate) struct Judged<'a> {
 impl Judged<'_> {
     /// One more dormant page judged.
     pub(crate) fn one(&self) {
-        self.n.set(self.n.get() + 1);
+        self.n.set(self.n.get() + PASSES_PER_JUDGEMENT);
+    }
+
+    /// `pages` asleep dormant pages passed without a judgement.
+    pub(crate) fn passed(&self, pages: u64) {
+        self.n.set(self.n.get() + pages);
     }
 }
 
@@ -142,7 +158,7 @@ impl PoolInner {
             let switched = Counters::get(&self.counters.pages_switched);
             let paid = switched.saturating_sub(d.switched_then.swap(switched, Ordering::Relaxed));
             let now = d.checks.get();
-            let checks = now.wrapping_sub(d.checks_then.swap(now, Ordering::Relaxed));
+            let checks = now.wrapping_sub(d.checks_then.swap(now, Ordering::Relaxed)) / PASSES_PER_JUDGEMENT;
             let next = Dormant::next_factor(d.factor(), checks, paid);
             if next != d.factor() {
                 tracing::debug!(checks, switched = paid, factor = next, "dormant pages' bound");

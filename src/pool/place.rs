@@ -299,12 +299,16 @@ impl PoolInner {
         // the walk then passes over every lent page, judging none.
         let avoid_lent = std::cell::Cell::new(false);
         // Asleep lent pages (their memory busy where it went, see `arena::pages::wake`) are
-        // passed a run at a time and cost no judgement: the dormant pages' bound counts only
-        // the judgements that cost.
+        // passed a run at a time without a judgement, and weigh an eighth of one in the
+        // dormant pages' bound (`dormant::PASSES_PER_JUDGEMENT`).
         let skip_dead = |mut q: u64| loop {
             let lent = pages.lent(q);
             if lent == Lent::Asleep {
-                q = pages.past_asleep(q);
+                let next = pages.past_asleep(q);
+                if !avoid_lent.get() {
+                    judged.passed((next - q) / page);
+                }
+                q = next;
             } else if lent == Lent::Awake {
                 if !avoid_lent.get() {
                     judged.one();
@@ -347,6 +351,9 @@ impl PoolInner {
                 let lent = state != Lent::No;
                 if lent {
                     if avoid_lent.get() || state == Lent::Asleep {
+                        if !avoid_lent.get() {
+                            judged.passed(1);
+                        }
                         return Err(skip_dead(p + page) - 1);
                     }
                     judged.one();
