@@ -185,4 +185,22 @@ mod tests {
         assert_eq!(Dormant::next_factor(8, 0, 1), 8, "never above the most");
         assert_eq!(Dormant::next_factor(4, 500 * 10, 10), 4, "in between: kept");
     }
+
+    #[test]
+    fn asleep_pages_passed_weigh_an_eighth_of_a_judgement() {
+        let d = Dormant::default();
+        {
+            let walk = d.judging();
+            walk.one();
+            walk.passed(2 * PASSES_PER_JUDGEMENT);
+        }
+        assert_eq!(d.judged_since(), 3, "one judgement and sixteen passes");
+        {
+            let walk = d.judging();
+            walk.passed(PASSES_PER_JUDGEMENT - 1);
+        }
+        assert_eq!(d.judged_since(), 3, "passes add up across walks, a judgement's worth at a time");
+        d.judging().passed(1);
+        assert_eq!(d.judged_since(), 4);
+    }
 }
