@@ -52,8 +52,10 @@ pub const EVAL_CHECKS: u64 = 1 << 16;
 /// Counted at full cost, passes made the bound halve on warm passes of multi-stream traces
 /// whose dormant pages were mostly asleep, which then unmapped and mapped again
 /// (resnet50_4streams: 1.3–1.7 GiB unmapped a pass against none; at a quarter, threads_streams
-/// still unmapped 574 MiB); not counted, the 4-thread window kept three times the dormant
-/// pages (`docs/BENCHMARKS.md`, twenty-eighth session).
+/// still unmapped 574 MiB), and the 8-thread `server` shape traded 1.5–1.7 times the pages.
+/// The random window on 4 threads pays for it: it keeps about three times the dormant pages
+/// and switches memory back and forth between them (`docs/BENCHMARKS.md`, twenty-eighth
+/// session).
 pub const PASSES_PER_JUDGEMENT: u64 = 8;
 /// Judgements per switch above which dormant pages cost more than they pay.
 pub const COSTLY: u64 = 1024;
