@@ -647,9 +647,8 @@ fn a_stream_gets_no_new_event_while_its_last_one_is_pending() {
 /// A pool on a fresh simulator, a worker's stream and a copy stream, and `n` blocks of 1 MiB
 /// allocated on the worker's.
 fn work_and_copy(n: usize) -> (SimDevice, Pool, Stream, Stream, Vec<Block>) {
-    let dev = SimDevice::new(1 << 30);
-    let pool = Pool::new(dev.clone(), PoolConfig::default()).unwrap();
-    let (work, copy) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    let (dev, pool, work) = pool(1 << 30);
+    let copy = dev.new_stream().unwrap();
     let blocks = (0..n).map(|_| pool.alloc(1 << 20, &work).unwrap()).collect();
     (dev, pool, work, copy, blocks)
 }
@@ -678,9 +677,7 @@ fn blocks_used_on_a_busy_stream_share_its_outstanding_event() {
 
 #[test]
 fn the_largest_free_stretch_is_what_one_block_could_take() {
-    let dev = SimDevice::new(1 << 30);
-    let pool = Pool::new(dev.clone(), PoolConfig::default()).unwrap();
-    let s = dev.new_stream().unwrap();
+    let (_dev, pool, s) = pool(1 << 30);
     // One small block: its stream's chunk of 2 MiB, the rest free in buddies of 4 KiB to
     // 1 MiB, side by side.
     let small = pool.alloc(4096, &s).unwrap();

@@ -350,10 +350,11 @@ impl PoolInner {
                 let state = pages.lent(p);
                 let lent = state != Lent::No;
                 if lent {
-                    if avoid_lent.get() || state == Lent::Asleep {
-                        if !avoid_lent.get() {
-                            judged.passed(1);
-                        }
+                    if avoid_lent.get() {
+                        return Err(skip_dead(p + page) - 1);
+                    }
+                    if state == Lent::Asleep {
+                        judged.passed(1);
                         return Err(skip_dead(p + page) - 1);
                     }
                     judged.one();

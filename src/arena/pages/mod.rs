@@ -718,13 +718,6 @@ impl PageMap {
         }
     }
 
-    /// True if the page holding `page_addr` is lent (see [`lend`]).
-    pub fn is_lent(&self, page_addr: u64) -> bool {
-        self.span(page_addr, 1)
-            .and_then(|(p, _)| self.word(p, false))
-            .is_some_and(|w| w.load(Ordering::Acquire) & STATE == LENT)
-    }
-
     /// True if the page holding `page_addr` is mapped.
     pub fn is_mapped(&self, page_addr: u64) -> bool {
         self.span(page_addr, 1)

@@ -191,23 +191,26 @@ impl PageMap {
         self.page_addr(p)
     }
 
+    /// The judgement itself: the active page of the memory lent page `p` shows, if it is
+    /// free now.
+    fn free_twin(&self, p: usize) -> Option<usize> {
+        let a = self.active_of(p)?;
+        (self.word(a, false)?.load(Ordering::Acquire) == MAPPED).then_some(a)
+    }
+
     /// If the lent page `p` is awake and its memory's active page is free now, that page;
     /// an awake page found busy is put to sleep (see the module docs for the second look).
     pub(super) fn judge_awake(&self, p: usize) -> Option<usize> {
         if !has_bit(&self.wake.awake, p) {
             return None;
         }
-        let free_twin = || {
-            let a = self.active_of(p)?;
-            (self.word(a, false)?.load(Ordering::Acquire) == MAPPED).then_some(a)
-        };
-        if let Some(a) = free_twin() {
+        if let Some(a) = self.free_twin(p) {
             return Some(a);
         }
         if has_bit(&self.wake.untracked, p) || !clear_bit(&self.wake.awake, p) {
             return None;
         }
-        let again = free_twin();
+        let again = self.free_twin(p);
         if again.is_some() {
             set_bit(&self.wake.awake, p);
         }
@@ -225,11 +228,7 @@ impl PageMap {
                 if w.load(Ordering::Acquire) != LENT || has_bit(&self.wake.awake, p) {
                     continue;
                 }
-                let twin_free = self
-                    .active_of(p)
-                    .and_then(|a| self.word(a, false))
-                    .is_some_and(|w| w.load(Ordering::Acquire) == MAPPED);
-                if twin_free {
+                if self.free_twin(p).is_some() {
                     v.push(self.page_addr(p));
                 }
             }
