@@ -356,6 +356,70 @@ fn a_lent_page_woken_while_a_judgement_puts_it_to_sleep_stays_awake() {
     });
 }
 
+/// A placement's mapper for the model of dead lent pages: maps fresh memory, takes memory
+/// back where the page map offers it, and unmaps a dead lent page only if `remap`.
+struct Remapper<'a> {
+    d: &'a Device,
+    remap: bool,
+}
+
+impl vrampool::arena::pages::Mapper for Remapper<'_> {
+    fn map(&mut self, addr: u64, _: usize) -> Result<Backing, Error> {
+        self.d.map(addr).map(|()| Backing::Fresh)
+    }
+    fn switch(&mut self, _: u64, _: u64) -> bool {
+        true
+    }
+    fn remaps(&self) -> bool {
+        self.remap
+    }
+    fn unmap_dead(&mut self, addr: u64, _: usize, freed: u64) -> Result<(), Error> {
+        assert!(self.remap, "asked to unmap by a mapper that does not remap");
+        assert_eq!(freed, 0, "a lent page's memory is shown at its active page too");
+        self.d.unmap(addr)
+    }
+}
+
+/// A block lands on a lent page whose memory is busy (a *dead* page, which the cheapest run
+/// of a placement that may map takes): the page is unmapped there and mapped afresh, while
+/// another thread frees the memory's page and places a block on the lent page too, taking
+/// the memory back. Whatever the interleaving, only one of them wins the page: a block is
+/// never left on an unmapped page, no memory ends up active at two pages, and the device's
+/// maps and unmaps match the books. (With the page unmapped without the page map's claim,
+/// the switch back and the unmap both happen: a block on an unbacked page.)
+#[test]
+fn a_dead_lent_page_remapped_while_its_memory_comes_back_stays_backed() {
+    loom::model(|| {
+        let m = Arc::new(PageMap::new(0, 2 * PAGE, PAGE).unwrap());
+        let d = Arc::new(Device::new());
+        m.acquire(0, 256, true, &mut |a, _| d.map(a).map(|()| Backing::Fresh)).unwrap();
+        assert!(m.release(0, 256));
+        // Page 0's memory goes to page 1, which a block holds: page 0 is lent and dead.
+        let lend = |m: &PageMap, a, l| match m.lend(a, l, &mut |_, _| true, &mut |_, _, _| Ok(())) {
+            true => Ok(Backing::Lent),
+            false => Err(Error::NotPermitted("nothing to lend")),
+        };
+        m.acquire(PAGE, 256, true, &mut |a, l| lend(&m, a, l)).unwrap();
+        assert_eq!(m.lent(0), Lent::Asleep);
+        let (m1, d1) = (m.clone(), d.clone());
+        let t = thread::spawn(move || {
+            assert!(m1.release(PAGE, 256));
+            // Another block on page 0: its memory comes back if page 1 is free by then.
+            m1.acquire(512, 256, false, &mut Remapper { d: &d1, remap: false }).is_ok()
+        });
+        m.acquire(0, 256, true, &mut Remapper { d: &d, remap: true }).unwrap();
+        assert!(d.is_backed(0), "a block on an unmapped page");
+        let other = t.join().unwrap();
+        assert!(d.is_backed(0));
+        assert_eq!(counts(&m).into_iter().find(|&(a, _)| a == 0), Some((0, 1 + u64::from(other))));
+        assert_eq!(m.walk_doubly_mapped(), vec![], "memory active at two pages");
+        // The memory page 0 lent stays at page 1; a remap added fresh memory at page 0.
+        let remapped = d.unmaps.load(Ordering::Acquire) as u64;
+        assert_eq!(d.maps.load(Ordering::Acquire) as u64, 1 + remapped);
+        assert_eq!(m.mapped_bytes(), (1 + remapped) * PAGE, "the books and the device disagree");
+    });
+}
+
 /// A search cleaning stale hints races a setter under those hints (a two-level bitmap: a root
 /// over two leaf nodes). The clear-then-recheck of the hint must never lose the new bit: a
 /// search afterwards still finds it through the hints.

@@ -175,6 +175,18 @@ impl Space {
         self.extents.alloc_scored_with(size, accept, score)
     }
 
+    /// A large block of `size` bytes at `addr`, a run the caller chose among the free ones
+    /// ([`Space::for_each_free`]), judged by `accept` once claimed (see
+    /// [`Extents::claim_at`]): the address, or None with nothing claimed.
+    pub fn claim_large_at(
+        &self,
+        addr: u64,
+        size: u64,
+        accept: &mut dyn FnMut(u64, u64) -> Result<(), u64>,
+    ) -> Option<u64> {
+        self.extents.claim_at(addr, size, accept)
+    }
+
     /// A chunk (CHUNK-aligned), first fit from the chunk floor among those `accept` takes;
     /// below the floor only when no chunk-sized run is free above it at all (see the module
     /// docs), or, with `below_if_refused`, whenever `accept` refused every run above. A run

@@ -27,7 +27,9 @@
 //!    want to run independently. `PoolConfig::cross_stream_waits` turns it off.
 //! 7. **Map past the peak**, up to `max_reserved`; with `trade_pages_on_map`, wholly free
 //!    pages mapped where the request does not fit are unmapped first, so the pool trades
-//!    pages rather than grow. When the peak does rise (by a growth step), every thread's
+//!    pages rather than grow (on a device that maps memory at two addresses, their memory
+//!    is lent instead, and a large block goes to the run that needs the fewest driver calls:
+//!    module `cheapest`). When the peak does rise (by a growth step), every thread's
 //!    cache gives back what it holds beyond a keep at its owner's next slow path (busy
 //!    caches are never taken from: see rung 5), so that the requests after this one find
 //!    that memory.

@@ -32,6 +32,7 @@
 
 mod block;
 mod books;
+mod cheapest;
 mod config;
 mod cross;
 mod dormant;

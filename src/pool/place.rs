@@ -25,7 +25,11 @@
 //! that need them. In the near-limit stress (`tests/near_limit.rs`) the brim case, which
 //! lives at its limit, refused 5,399–5,607 requests at or below 95% of the limit in four
 //! runs with first fit, 4,400–4,677 in three with the placements that may map scored, and
-//! 4,200–4,234 in three with every large placement scored. And, as the ladder's last step,
+//! 4,200–4,234 in three with every large placement scored. Away from the limit, a large
+//! block that may borrow memory for its pages (past the pool's peak) goes first to the run
+//! whose pages cost the fewest driver calls, where a lent page whose memory is busy
+//! elsewhere is unmapped and mapped afresh rather than ruling the run out (module
+//! `cheapest`); first fit if that claim fails. And, as the ladder's last step,
 //! a small block that its stream's chunks cannot hold, when no free page-sized run is left
 //! for a chunk, takes a run of the extents like a large block (at whole granules) rather
 //! than fail: at the limit the free memory is mostly the gaps between large blocks.
@@ -37,6 +41,7 @@
 
 use std::sync::Arc;
 
+use super::cheapest;
 use super::streams::Registry;
 use super::{PoolInner, StreamState};
 use crate::arena::pages::{Backing, Lent, Mapper};
@@ -199,6 +204,9 @@ struct Pager<'a> {
     limit: u64,
     /// Whether memory of free pages may come by loan (past the peak).
     lend: bool,
+    /// Whether lent pages whose memory cannot come back are unmapped and mapped afresh
+    /// (the cheapest run's, module `cheapest`).
+    remap: bool,
 }
 
 impl Mapper for Pager<'_> {
@@ -213,6 +221,18 @@ impl Mapper for Pager<'_> {
             return Ok(Backing::Lent);
         }
         pool.map_pages(addr, len, self.limit).map(|()| Backing::Fresh)
+    }
+
+    fn remaps(&self) -> bool {
+        self.remap
+    }
+
+    fn unmap_dead(&mut self, addr: u64, len: usize, freed: u64) -> Result<()> {
+        let r = self.pool.unmap_checked(addr, len, freed);
+        if r.is_ok() {
+            Counters::bump(&self.pool.counters.unmapped, len as u64);
+        }
+        r
     }
 
     fn switch(&mut self, from: u64, to: u64) -> bool {
@@ -298,6 +318,9 @@ impl PoolInner {
         // Set once claims on lent pages kept losing their memory to other threads (below):
         // the walk then passes over every lent page, judging none.
         let avoid_lent = std::cell::Cell::new(false);
+        // Set while the cheapest run is claimed (module `cheapest`): its lent pages whose
+        // memory cannot come back are unmapped and mapped afresh, where their work is done.
+        let remap_dead = std::cell::Cell::new(false);
         // Asleep lent pages (their memory busy where it went, see `arena::pages::wake`) are
         // passed a run at a time without a judgement, and weigh an eighth of one in the
         // dormant pages' bound (`dormant::PASSES_PER_JUDGEMENT`).
@@ -353,6 +376,16 @@ impl PoolInner {
                     if avoid_lent.get() {
                         return Err(skip_dead(p + page) - 1);
                     }
+                    if remap_dead.get() {
+                        // Its memory comes back if it can (and this stream may take it), else
+                        // the page is unmapped and mapped afresh, which needs its work done.
+                        let back = pages.switch_source(p).is_some_and(|s| self.switch_allowed(st, s));
+                        if !back && !self.may_unmap(p, page) {
+                            return Err(p + page - 1);
+                        }
+                        p += page;
+                        continue;
+                    }
                     if state == Lent::Asleep {
                         judged.passed(1);
                         return Err(skip_dead(p + page) - 1);
@@ -398,8 +431,18 @@ impl PoolInner {
         };
         let lend = mode.mapping == Mapping::Allowed && self.config.trade_pages_on_map && self.device.can_alias();
         let mut tries = 0;
+        // Past the peak, a large block goes to the run that costs the fewest driver calls
+        // (module `cheapest`), tried once; first fit after.
+        let floor = self.space.base() + self.space.chunk_floor();
+        let mut cheapest = (lend && !chunk && size > page && !self.near_limit())
+            .then(|| cheapest::cheapest_run(&self.space, pages, size, floor))
+            .flatten();
         let (addr, held) = loop {
-            let got = if chunk {
+            remap_dead.set(false);
+            let got = if let Some((at, _)) = cheapest.take() {
+                remap_dead.set(true);
+                self.space.claim_large_at(at, size, &mut accept)
+            } else if chunk {
                 // A pool holding a reserve (`Pool::reserve`) maps it low, for blocks of every
                 // size: its chunks may take reserved pages below the chunk floor rather than
                 // map, which the reserve's promise (no map while little is live) needs.
@@ -420,12 +463,21 @@ impl PoolInner {
             } else {
                 self.space.alloc_large(size, &mut accept)
             };
-            let Some(addr) = got else { return Ok(Self::missed("no run", size, chunk, mode)) };
-            let mut map = Pager { pool: self, st, limit, lend };
+            let Some(addr) = got else {
+                if remap_dead.get() {
+                    continue;
+                }
+                return Ok(Self::missed("no run", size, chunk, mode));
+            };
+            let mut map = Pager { pool: self, st, limit, lend, remap: remap_dead.get() };
             match self.pages.acquire(addr, size, mode.mapping != Mapping::Forbidden, &mut map) {
                 Ok(()) => {}
                 Err(why) => {
                     self.space.give_back(addr, size);
+                    if remap_dead.get() {
+                        // The cheapest run could not be had as judged: first fit, as before.
+                        continue;
+                    }
                     match why {
                         // A lent page the walk judged could come back could not (another
                         // thread took its memory's page meanwhile): walk again, which now
@@ -698,6 +750,25 @@ impl PoolInner {
         ok
     }
 
+    /// Unmap `len` bytes of pages at `page` that the page map claimed for unmapping (no block
+    /// on them, none can be taken meanwhile), if every fence on them is complete; `freed`
+    /// bytes of memory go back to the budget.
+    fn unmap_checked(&self, page: u64, len: usize, freed: u64) -> Result<()> {
+        if !self.may_unmap(page, len as u64) {
+            return Err(Error::NotPermitted("a stream's work may still use the page"));
+        }
+        let r = Counters::timed(&self.counters.unmap_ns, || {
+            // SAFETY: the page map hands out only pages no held block overlaps, claimed for
+            // unmapping so none can be taken meanwhile, and every fence on them is complete:
+            // no work queued on any stream can use them.
+            unsafe { self.device.unmap(page, len) }
+        });
+        if r.is_ok() {
+            self.map_budget.fetch_sub(freed, Ordering::AcqRel);
+        }
+        r
+    }
+
     /// Unmap wholly free pages no stream's work can touch, highest first, until at most
     /// `keep` free mapped bytes remain (more if the floor of [`crate::Pool::reserve`] needs
     /// them); returns the bytes unmapped.
@@ -706,21 +777,7 @@ impl PoolInner {
         let free = self.pages.free_mapped_pages() * page;
         let held = self.pages.mapped_bytes().saturating_sub(free);
         let keep = keep.max(self.floor_bytes().saturating_sub(held));
-        let mut unmap = |page: u64, len: usize, freed: u64| {
-            if !self.may_unmap(page, len as u64) {
-                return Err(Error::NotPermitted("a stream's work may still use the page"));
-            }
-            let r = Counters::timed(&self.counters.unmap_ns, || {
-                // SAFETY: the page map hands out only pages no held block overlaps, claimed for
-                // unmapping so none can be taken meanwhile, and every fence on them is complete:
-                // no work queued on any stream can use them.
-                unsafe { self.device.unmap(page, len) }
-            });
-            if r.is_ok() {
-                self.map_budget.fetch_sub(freed, Ordering::AcqRel);
-            }
-            r
-        };
+        let mut unmap = |page: u64, len: usize, freed: u64| self.unmap_checked(page, len, freed);
         let n = self.pages.unmap_free(keep, &mut unmap);
         if n > 0 {
             tracing::debug!(bytes = n, keep, "unmap free pages")

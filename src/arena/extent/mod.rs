@@ -583,6 +583,19 @@ impl Extents {
         self.alloc_with(bytes, 1, accept)
     }
 
+    /// Claim the `bytes` (whole granules) at `addr`, a run the caller chose (say, from
+    /// [`Extents::for_each_free`]), and ask `accept` as [`Extents::alloc_with`] does once it
+    /// has claimed: the address, or None if a granule was taken meanwhile or `accept` refused
+    /// (nothing claimed then).
+    pub fn claim_at(&self, addr: u64, bytes: u64, accept: &mut dyn FnMut(u64, u64) -> Result<(), u64>) -> Option<u64> {
+        let k = bytes.div_ceil(self.granule());
+        let start = addr.checked_sub(self.base)? >> self.shift;
+        if bytes == 0 || addr & (self.granule() - 1) != 0 || start + k > self.granules {
+            return None;
+        }
+        self.claim_accepted(start, k, accept).ok()
+    }
+
     /// Claim granules `[start, start + k)` and ask `accept` again, which is the answer that
     /// counts (what it judges may have changed since the walk): the block's address, taken;
     /// `Err(None)` when another thread claimed a granule first; `Err(Some(bad))` when

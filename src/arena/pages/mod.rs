@@ -162,6 +162,20 @@ pub trait Mapper {
         let _ = (from, to);
         false
     }
+    /// Whether a lent page the block needs whose memory cannot come back (the page it serves
+    /// is busy) is unmapped and mapped afresh ([`Mapper::unmap_dead`]) rather than failing
+    /// the acquisition. False (the default).
+    fn remaps(&self) -> bool {
+        false
+    }
+    /// Unmap such a page, which the page map has claimed for it, as
+    /// [`PageMap::unmap_lent`]'s `unmap` would (`freed`: the memory that goes with it, none
+    /// while another page shows it); then it is mapped like any unmapped page. An error
+    /// leaves it lent, and the acquisition fails on it.
+    fn unmap_dead(&mut self, addr: u64, len: usize, freed: u64) -> Result<(), Error> {
+        let _ = (addr, len, freed);
+        Err(Error::NotPermitted("a lent page is taken back only where its memory is free"))
+    }
 }
 
 impl<F: FnMut(u64, usize) -> Result<Backing, Error>> Mapper for F {
@@ -339,6 +353,19 @@ impl PageMap {
                     }
                     // Its memory serves another page: take it back if that page is free.
                     LENT if self.reactivate(p, map) => break true,
+                    // Else, where the mapper says so, unmap the page and map it afresh; if
+                    // another thread took it meanwhile, look again.
+                    LENT if may_map && map.remaps() => {
+                        if self.unmap_run(p, p, LENT, &mut |a, l, freed| map.unmap_dead(a, l, freed)).is_none() {
+                            let now = w.load(Ordering::Acquire);
+                            if now == cur {
+                                break false;
+                            }
+                            cur = now;
+                            continue;
+                        }
+                        cur = w.load(Ordering::Acquire);
+                    }
                     LENT => break false,
                     // MAPPING or UNMAPPING: another thread is in a device call for this page.
                     _ => {
@@ -725,9 +752,29 @@ impl PageMap {
             .is_some_and(|w| w.load(Ordering::Acquire) & STATE == MAPPED)
     }
 
+    /// Whether the page holding `page_addr` is anything but unmapped (mapped, lent, or in a
+    /// device call).
+    pub fn in_use(&self, page_addr: u64) -> bool {
+        self.span(page_addr, 1)
+            .and_then(|(p, _)| self.word(p, false))
+            .is_some_and(|w| w.load(Ordering::Acquire) & STATE != UNMAPPED)
+    }
+
     /// The lowest mapped page at or above `addr`, if any: a scan of the page words (whole
     /// chunks never made are skipped at once), for placements that look for mapped memory.
     pub fn next_mapped(&self, addr: u64) -> Option<u64> {
+        self.next_where(addr, |v| v & STATE == MAPPED)
+    }
+
+    /// The lowest page at or above `addr` that is not unmapped (mapped, lent, or in a device
+    /// call), if any: as [`PageMap::next_mapped`] scans.
+    pub fn next_in_use(&self, addr: u64) -> Option<u64> {
+        self.next_where(addr, |v| v & STATE != UNMAPPED)
+    }
+
+    /// The lowest page at or above `addr` whose word `pick` takes, by a scan of the page words
+    /// (whole chunks never made are skipped at once).
+    fn next_where(&self, addr: u64, pick: impl Fn(u64) -> bool) -> Option<u64> {
         let mut p = (addr.checked_sub(self.base)? >> self.page_shift) as usize;
         // Pages at or above `top` have never been mapped (see its docs); a run mapped while
         // this scan goes on may be missed, as one mapped just behind the scan would be.
@@ -740,7 +787,7 @@ impl PageMap {
                 continue;
             };
             let words = &chunk[(p - base).min(chunk.len())..(stop - base).min(chunk.len())];
-            if let Some(j) = words.iter().position(|w| w.load(Ordering::Acquire) & STATE == MAPPED) {
+            if let Some(j) = words.iter().position(|w| pick(w.load(Ordering::Acquire))) {
                 return Some(self.page_addr(p + j));
             }
             p = stop;

@@ -377,3 +377,52 @@ fn lent_pages_sleep_while_their_memory_is_busy_and_wake_when_it_falls_free() {
     assert_eq!(m.lent(last), Lent::Asleep, "the page the memory left sleeps behind the block on page 0");
     assert_eq!(m.lent(0), Lent::No);
 }
+
+/// A block needs a lent page whose memory serves a block elsewhere (a *dead* page): with a
+/// mapper that remaps, the page is unmapped (its memory stays where it went) and mapped
+/// afresh, and the block gets it; with one that does not, the acquisition fails and leaves
+/// everything as it was.
+#[test]
+fn a_dead_lent_page_is_remapped_only_for_a_mapper_that_remaps() {
+    struct Remap {
+        remap: bool,
+        unmapped: Vec<(u64, u64)>,
+        mapped: Vec<u64>,
+    }
+    impl Mapper for Remap {
+        fn map(&mut self, addr: u64, _: usize) -> Result<Backing, Error> {
+            self.mapped.push(addr);
+            Ok(Backing::Fresh)
+        }
+        fn remaps(&self) -> bool {
+            self.remap
+        }
+        fn unmap_dead(&mut self, addr: u64, _: usize, freed: u64) -> Result<(), Error> {
+            self.unmapped.push((addr, freed));
+            Ok(())
+        }
+    }
+    let m = PageMap::new(0, 2 * P, P).unwrap();
+    m.acquire(0, P, true, &mut |_, _| Ok(Backing::Fresh)).unwrap();
+    assert!(m.release(0, P));
+    let mut lend = |a: u64, l: usize| match m.lend(a, l, &mut |_, _| true, &mut |_, _, _| Ok(())) {
+        true => Ok(Backing::Lent),
+        false => Err(Error::NotPermitted("nothing to lend")),
+    };
+    m.acquire(P, P, true, &mut lend).unwrap();
+    assert_eq!(m.switch_source(0), None, "page 0's memory serves the block on page 1");
+
+    let mut keep = Remap { remap: false, unmapped: vec![], mapped: vec![] };
+    assert_eq!(m.acquire(0, P, true, &mut keep), Err(Acquire::Lent));
+    assert!(keep.unmapped.is_empty() && keep.mapped.is_empty());
+    assert_eq!((m.lent_pages(), m.mapped_bytes()), (1, P), "nothing changed");
+
+    let mut remap = Remap { remap: true, unmapped: vec![], mapped: vec![] };
+    m.acquire(0, P, true, &mut remap).unwrap();
+    assert_eq!(remap.unmapped, [(0, 0)], "unmapped, no memory freed: it stays at page 1");
+    assert_eq!(remap.mapped, [0], "then mapped afresh");
+    assert_eq!(m.lent_pages(), 0);
+    assert_eq!(m.mapped_bytes(), 2 * P, "two memories now, one a page");
+    assert_eq!(m.walk_doubly_mapped(), vec![]);
+    assert!(m.release(0, P) && m.release(P, P));
+}
