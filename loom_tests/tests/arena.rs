@@ -321,6 +321,19 @@ fn a_page_a_lender_gives_back_stays_offered() {
     });
 }
 
+/// Map page 0, free it, and lend its memory to a block on page 1: page 0 is lent, asleep
+/// (dead) behind that block.
+fn lend_page_0_to_a_block_on_page_1(m: &PageMap, d: &Device) {
+    m.acquire(0, 256, true, &mut |a, _| d.map(a).map(|()| Backing::Fresh)).unwrap();
+    assert!(m.release(0, 256));
+    let mut lend = |a, l| match m.lend(a, l, &mut |_, _| true, &mut |_, _, _| Ok(())) {
+        true => Ok(Backing::Lent),
+        false => Err(Error::NotPermitted("nothing to lend")),
+    };
+    m.acquire(PAGE, 256, true, &mut lend).unwrap();
+    assert_eq!(m.lent(0), Lent::Asleep);
+}
+
 /// A lent page is judged (its memory's page found busy, so it is put to sleep) while that
 /// page falls free and wakes it: the judgement clears the awake bit, then judges again. Whatever
 /// the interleaving, the lent page is left awake, so a placement can still take its memory
@@ -331,15 +344,7 @@ fn a_lent_page_woken_while_a_judgement_puts_it_to_sleep_stays_awake() {
     loom::model(|| {
         let m = Arc::new(PageMap::new(0, 2 * PAGE, PAGE).unwrap());
         let d = Arc::new(Device::new());
-        m.acquire(0, 256, true, &mut |a, _| d.map(a).map(|()| Backing::Fresh)).unwrap();
-        assert!(m.release(0, 256));
-        // Page 0's memory goes to page 1: page 0 is lent, asleep behind the block on page 1.
-        let lend = |m: &PageMap, a, l| match m.lend(a, l, &mut |_, _| true, &mut |_, _, _| Ok(())) {
-            true => Ok(Backing::Lent),
-            false => Err(Error::NotPermitted("nothing to lend")),
-        };
-        m.acquire(PAGE, 256, true, &mut |a, l| lend(&m, a, l)).unwrap();
-        assert_eq!(m.lent(0), Lent::Asleep);
+        lend_page_0_to_a_block_on_page_1(&m, &d);
         // Freed (page 0 wakes), then taken again: page 0 is awake with its memory busy.
         assert!(m.release(PAGE, 256));
         m.acquire(PAGE, 256, false, &mut |_, _| Err(Error::NotPermitted("mapped already"))).unwrap();
@@ -386,21 +391,13 @@ impl vrampool::arena::pages::Mapper for Remapper<'_> {
 /// the memory back. Whatever the interleaving, only one of them wins the page: a block is
 /// never left on an unmapped page, no memory ends up active at two pages, and the device's
 /// maps and unmaps match the books. (With the page unmapped without the page map's claim,
-/// the switch back and the unmap both happen: a block on an unbacked page.)
+/// both threads take the page, and the model fails.)
 #[test]
 fn a_dead_lent_page_remapped_while_its_memory_comes_back_stays_backed() {
     loom::model(|| {
         let m = Arc::new(PageMap::new(0, 2 * PAGE, PAGE).unwrap());
         let d = Arc::new(Device::new());
-        m.acquire(0, 256, true, &mut |a, _| d.map(a).map(|()| Backing::Fresh)).unwrap();
-        assert!(m.release(0, 256));
-        // Page 0's memory goes to page 1, which a block holds: page 0 is lent and dead.
-        let lend = |m: &PageMap, a, l| match m.lend(a, l, &mut |_, _| true, &mut |_, _, _| Ok(())) {
-            true => Ok(Backing::Lent),
-            false => Err(Error::NotPermitted("nothing to lend")),
-        };
-        m.acquire(PAGE, 256, true, &mut |a, l| lend(&m, a, l)).unwrap();
-        assert_eq!(m.lent(0), Lent::Asleep);
+        lend_page_0_to_a_block_on_page_1(&m, &d);
         let (m1, d1) = (m.clone(), d.clone());
         let t = thread::spawn(move || {
             assert!(m1.release(PAGE, 256));

@@ -180,6 +180,17 @@ mod tests {
         (space, pages)
     }
 
+    /// Lend page 1's memory to a block on page 20: page 1 is dead while that block lives.
+    fn kill_page_1(pages: &PageMap) {
+        let mut lend = |a: u64, l: usize| match pages.lend(a, l, &mut |from, _| from == BASE + P, &mut |_, _, _| Ok(()))
+        {
+            true => Ok(Backing::Lent),
+            false => Err(Error::NotPermitted("nothing to lend")),
+        };
+        pages.acquire(BASE + 20 * P, P, true, &mut lend).unwrap();
+        assert_eq!(pages.switch_source(BASE + P), None);
+    }
+
     #[test]
     fn a_block_that_must_map_goes_where_the_fewest_pages_need_it_not_to_the_lowest_run() {
         let (space, pages) = world(10..14);
@@ -198,13 +209,7 @@ mod tests {
     #[test]
     fn a_dead_lent_page_weighs_an_unmap_and_a_map() {
         let (space, pages) = world(0..4);
-        // Page 1's memory goes to page 20, which a block holds: page 1 is dead.
-        let mut lend = |a: u64, l: usize| match pages.lend(a, l, &mut |from, _| from == BASE + P, &mut |_, _, _| Ok(()))
-        {
-            true => Ok(Backing::Lent),
-            false => Err(Error::NotPermitted("nothing to lend")),
-        };
-        pages.acquire(BASE + 20 * P, P, true, &mut lend).unwrap();
+        kill_page_1(&pages);
         let floor = BASE + 32 * P;
         assert_eq!(cheapest_run(&space, &pages, 4 * P, floor), Some((BASE, REMAP_COST)), "one remap, not two maps");
         // Where the maps saved are fewer than a remap costs, the run goes elsewhere.
@@ -214,12 +219,7 @@ mod tests {
     #[test]
     fn a_dead_page_is_remapped_wherever_that_costs_less_than_the_maps_it_saves() {
         let (space, pages) = world(0..2);
-        let mut lend = |a: u64, l: usize| match pages.lend(a, l, &mut |from, _| from == BASE + P, &mut |_, _, _| Ok(()))
-        {
-            true => Ok(Backing::Lent),
-            false => Err(Error::NotPermitted("nothing to lend")),
-        };
-        pages.acquire(BASE + 20 * P, P, true, &mut lend).unwrap();
+        kill_page_1(&pages);
         // Pages 0 and 1: one remap (7) against two maps (8).
         assert_eq!(cheapest_run(&space, &pages, 2 * P, BASE + 16 * P), Some((BASE, REMAP_COST)));
         // Three pages: a remap and a map (11) against three maps (12); the window past the
