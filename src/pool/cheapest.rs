@@ -13,9 +13,10 @@
 //! every pass and the loans never stopped.
 //!
 //! So a placement that may map weighs each candidate by what its pages cost: nothing for a
-//! mapped page or a lent one whose memory can come back, a map for an unmapped one, an
-//! unmap and a map for a dead one ([`MAP_COST`], [`REMAP_COST`], about an H200's 40 µs and
-//! 29 µs), and takes the cheapest run, the lowest among equals. The dead pages of the run
+//! mapped page, a little for a lent one whose memory can come back (the page it leaves is
+//! dead behind the block: [`SWITCH_COST`]), a map for an unmapped one, an unmap and a map
+//! for a dead one ([`MAP_COST`], [`REMAP_COST`], about an H200's 40 µs and 29 µs), and
+//! takes the cheapest run, the lowest among equals. The dead pages of the run
 //! it takes are unmapped there and mapped afresh
 //! ([`crate::arena::pages::Mapper::unmap_dead`]): the same calls an unmap of dormant pages
 //! makes, judged the same way (every fence on the page complete). Asking more of a run with
@@ -38,13 +39,19 @@ use crate::arena::Space;
 /// What mapping an unmapped page of the run costs, in units of about 10 µs on an H200
 /// (one page mapped, the memory lent or new).
 pub(crate) const MAP_COST: u64 = 4;
+/// What taking back the memory of a lent page costs: no driver call, but the page the
+/// memory leaves is dead behind the block, for a later block to map or remap. At 0 (free),
+/// bert_dynamic's cold pass remapped 542 pages and lent 770 (where e524a11 lent 265); at 1,
+/// 185 and 447, and the ten traces' second passes moved 7.81 times a peak in all against
+/// 8.86 (`docs/BENCHMARKS.md`, twenty-ninth session).
+pub(crate) const SWITCH_COST: u64 = 1;
 /// What a dead lent page of the run costs: an unmap (~29 µs) and a map.
 pub(crate) const REMAP_COST: u64 = 7;
 
 /// What one page of a candidate run costs; None: no block can have it now.
 fn page_cost(pages: &PageMap, q: u64) -> Option<u64> {
     match pages.lent(q) {
-        Lent::Awake if pages.switch_source(q).is_some() => Some(0),
+        Lent::Awake if pages.switch_source(q).is_some() => Some(SWITCH_COST),
         Lent::Awake | Lent::Asleep => Some(REMAP_COST),
         Lent::No if pages.is_mapped(q) => Some(0),
         Lent::No if !pages.in_use(q) => Some(MAP_COST),
