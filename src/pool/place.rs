@@ -228,11 +228,7 @@ impl Mapper for Pager<'_> {
     }
 
     fn unmap_dead(&mut self, addr: u64, len: usize, freed: u64) -> Result<()> {
-        let r = self.pool.unmap_checked(addr, len, freed);
-        if r.is_ok() {
-            Counters::bump(&self.pool.counters.unmapped, len as u64);
-        }
-        r
+        self.pool.unmap_checked(addr, len, freed)
     }
 
     fn switch(&mut self, from: u64, to: u64) -> bool {
@@ -589,23 +585,11 @@ impl PoolInner {
     /// it was lent), lowest first, until at most `keep` remain; returns the bytes unmapped.
     pub(crate) fn unmap_lent(&self, keep: u64) -> u64 {
         let mut accept = |from: u64, len: u64| self.may_unmap(from, len);
-        let mut unmap = |page: u64, len: usize, freed: u64| {
-            let r = Counters::timed(&self.counters.unmap_ns, || {
-                // SAFETY: a lent page holds no block and serves none, and every fence on it is
-                // complete: no work queued on any stream can use it. Its memory stays mapped at
-                // the page it was lent to, unless that page went before it (`freed`).
-                unsafe { self.device.unmap(page, len) }
-            });
-            if r.is_ok() {
-                self.map_budget.fetch_sub(freed, Ordering::AcqRel);
-            }
-            r
-        };
+        let mut unmap = |page: u64, len: usize, freed: u64| self.unmap_checked(page, len, freed);
         let n = self.pages.unmap_lent(keep, &mut accept, &mut unmap);
         if n > 0 {
             tracing::debug!(bytes = n, "unmap lent pages")
         }
-        Counters::bump(&self.counters.unmapped, n);
         n
     }
 
@@ -750,21 +734,25 @@ impl PoolInner {
         ok
     }
 
-    /// Unmap `len` bytes of pages at `page` that the page map claimed for unmapping (no block
-    /// on them, none can be taken meanwhile), if every fence on them is complete; `freed`
-    /// bytes of memory go back to the budget.
+    /// Unmap `len` bytes of pages at `page` that the page map claimed for unmapping (free
+    /// pages, or lent ones), if every fence on them is complete; `freed` bytes of memory go
+    /// back to the budget (a lent page's memory stays at the page it was lent to, unless that
+    /// page went first), and the bytes count in `Stats::unmapped_bytes`. Every unmap the
+    /// pool makes comes here.
     fn unmap_checked(&self, page: u64, len: usize, freed: u64) -> Result<()> {
         if !self.may_unmap(page, len as u64) {
             return Err(Error::NotPermitted("a stream's work may still use the page"));
         }
         let r = Counters::timed(&self.counters.unmap_ns, || {
-            // SAFETY: the page map hands out only pages no held block overlaps, claimed for
-            // unmapping so none can be taken meanwhile, and every fence on them is complete:
-            // no work queued on any stream can use them.
+            // SAFETY: the page map hands out only pages no held block overlaps (a lent page
+            // holds none and serves none), claimed for unmapping so none can be taken
+            // meanwhile, and every fence on them is complete: no work queued on any stream
+            // can use them.
             unsafe { self.device.unmap(page, len) }
         });
         if r.is_ok() {
             self.map_budget.fetch_sub(freed, Ordering::AcqRel);
+            Counters::bump(&self.counters.unmapped, len as u64);
         }
         r
     }
@@ -782,7 +770,6 @@ impl PoolInner {
         if n > 0 {
             tracing::debug!(bytes = n, keep, "unmap free pages")
         }
-        Counters::bump(&self.counters.unmapped, n);
         n
     }
 }
