@@ -124,3 +124,46 @@ fn no_memory_shows_under_two_blocks_while_pages_are_lent() {
         assert_eq!(wrong, 0, "seed {seed}: {wrong} blocks saw another block's words; first: {first:?}");
     }
 }
+
+/// A placement that must map some of its pages never borrows the memory of its own free
+/// pages further up the run: the page that lent would be dead under the same block, and
+/// unmapped and mapped again a moment later. Here a block whose run starts on two dead lent
+/// pages (their memory serves a live block) has free mapped pages above them in its own run
+/// and nothing free elsewhere: its two dead pages are unmapped and mapped afresh, and
+/// nothing else is.
+#[test]
+fn a_placement_never_borrows_from_the_pages_it_is_taking() {
+    const PAGE: usize = 2 << 20;
+    let dev = SimDevice::new(1 << 30);
+    let pool = Pool::new(dev.clone(), PoolConfig::default()).unwrap();
+    let s = dev.new_stream().unwrap();
+    let a = pool.alloc(2 * PAGE, &s).unwrap();
+    let base = a.device_ptr();
+    let b = pool.alloc(6 * PAGE, &s).unwrap();
+    assert_eq!(b.device_ptr(), base + 2 * PAGE as u64, "b right above a");
+    drop(a);
+    pool.flush_thread_cache();
+    // Three pages past the peak: two borrow a's pages' memory, which leaves them lent and
+    // dead while c lives; the third is new memory.
+    let lent = pool.stats().pages_lent;
+    let c = pool.alloc(3 * PAGE, &s).unwrap();
+    assert_eq!(pool.stats().pages_lent - lent, 2, "c borrowed a's two pages");
+    drop(b);
+    pool.flush_thread_cache();
+    // The stream's final event covers every free: once it completes, a's pages may be
+    // unmapped. The next block is another stream's.
+    pool.destroy_stream(&s).unwrap();
+    let s2 = dev.new_stream().unwrap();
+    // Eight pages: a's two dead pages and b's six free ones cost two remaps, where any run
+    // above c costs eight maps.
+    let before = pool.stats();
+    let d = pool.alloc(8 * PAGE, &s2).unwrap();
+    let after = pool.stats();
+    assert_eq!(d.device_ptr(), base, "d over a's and b's pages");
+    assert_eq!(after.unmapped_bytes - before.unmapped_bytes, 2 * PAGE as u64, "only the two dead pages unmapped");
+    assert_eq!(after.pages_lent, before.pages_lent, "nothing was free outside d's run to borrow");
+    drop((c, d));
+    pool.flush_thread_cache();
+    dev.synchronize(&s2).unwrap();
+    pool.check().unwrap();
+}

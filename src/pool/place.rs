@@ -207,6 +207,12 @@ struct Pager<'a> {
     /// Whether lent pages whose memory cannot come back are unmapped and mapped afresh
     /// (the cheapest run's, module `cheapest`).
     remap: bool,
+    /// The pages of the placement being acquired, which never lend to it: the page map
+    /// acquires a run lowest first, so a free mapped page further up the run still looks
+    /// free when a page below it needs memory, and lending from it would leave it lent with
+    /// its memory busy under the same block, to be unmapped and mapped again a moment later
+    /// (on train_gpt2, most of a warm pass's remaps of its 1,148 MiB blocks).
+    block: std::ops::Range<u64>,
 }
 
 impl Mapper for Pager<'_> {
@@ -216,7 +222,7 @@ impl Mapper for Pager<'_> {
         // to the request's pages (a loan: see `arena::pages::lend`) before new memory does.
         if self.lend
             && pool.pages.mapped_bytes() + len as u64 > pool.pages.peak_mapped_bytes()
-            && pool.lend_to(self.st, addr, len)
+            && pool.lend_to(self.st, addr, len, &self.block)
         {
             return Ok(Backing::Lent);
         }
@@ -465,7 +471,8 @@ impl PoolInner {
                 }
                 return Ok(Self::missed("no run", size, chunk, mode));
             };
-            let mut map = Pager { pool: self, st, limit, lend, remap: remap_dead.get() };
+            let block = addr / page * page..(addr + size).next_multiple_of(page);
+            let mut map = Pager { pool: self, st, limit, lend, remap: remap_dead.get(), block };
             match self.pages.acquire(addr, size, mode.mapping != Mapping::Forbidden, &mut map) {
                 Ok(()) => {}
                 Err(why) => {
@@ -556,8 +563,9 @@ impl PoolInner {
 
     /// Lend the memory of wholly free pages to the `len` bytes at `to`, which a placement for
     /// `st` holds for mapping: pages whose every fence lets `st` reuse them at once (freed on
-    /// its own stream, or complete), so the new use is ordered after the old. True when lent.
-    fn lend_to(&self, st: &StreamState, to: u64, len: usize) -> bool {
+    /// its own stream, or complete), so the new use is ordered after the old; never pages of
+    /// `block`, the placement's own. True when lent.
+    fn lend_to(&self, st: &StreamState, to: u64, len: usize, block: &std::ops::Range<u64>) -> bool {
         let mut alias = |from: u64, to: u64, l: usize| {
             Counters::timed(&self.counters.map_ns, || self.device.alias(from, to, l))?;
             // The memory's history goes with it: should the placement be rolled back (another
@@ -572,7 +580,9 @@ impl PoolInner {
         // device (set up before the memory is shown at `to`, so `st`'s use comes after).
         let lent = [Reuse::Ready, Reuse::Wait].into_iter().any(|reuse| {
             let mut judge = Judge::new(self, st, reuse);
-            let mut accept = |from: u64, l: u64| judge.accepts(from, l) && (judge.waits.is_empty() || judge.settle());
+            let mut accept = |from: u64, l: u64| {
+                !block.contains(&from) && judge.accepts(from, l) && (judge.waits.is_empty() || judge.settle())
+            };
             self.pages.lend(to, len, &mut accept, &mut alias)
         });
         if lent {
