@@ -167,3 +167,37 @@ fn a_placement_never_borrows_from_the_pages_it_is_taking() {
     dev.synchronize(&s2).unwrap();
     pool.check().unwrap();
 }
+
+/// A placement that may map only up to the pool's peak (the ladder's fourth rung) maps
+/// nothing when its pages would pass the peak part of the way through: mapping the first of
+/// them and failing on the rest left pages mapped that the next rung's placement, free to
+/// go elsewhere, did not use. Here the first fit below the peak (three pages trimmed away)
+/// can map only two of its three pages; the block goes to a run that needs one map.
+#[test]
+fn a_placement_within_the_peak_maps_nothing_it_cannot_finish() {
+    const PAGE: usize = 2 << 20;
+    let dev = SimDevice::new(1 << 30);
+    let pool = Pool::new(dev.clone(), PoolConfig::default()).unwrap();
+    let s = dev.new_stream().unwrap();
+    let a = pool.alloc(3 * PAGE, &s).unwrap();
+    let base = a.device_ptr();
+    let b = pool.alloc(PAGE, &s).unwrap();
+    let x = pool.alloc(2 * PAGE, &s).unwrap();
+    assert_eq!(x.device_ptr(), base + 4 * PAGE as u64, "a, b and x in a row");
+    drop(a);
+    pool.flush_thread_cache();
+    // a's three pages go: the peak stays at six pages, three of them mapped.
+    pool.trim().unwrap();
+    // A small block's chunk maps one page within the peak: two pages of room are left.
+    let small = pool.alloc(1024, &s).unwrap();
+    drop(x);
+    pool.flush_thread_cache();
+    let mapped = dev.mapped_bytes_total();
+    let c = pool.alloc(3 * PAGE, &s).unwrap();
+    assert_eq!(c.device_ptr(), base + 4 * PAGE as u64, "over x's two free pages and one more");
+    assert_eq!(dev.mapped_bytes_total() - mapped, PAGE as u64, "one page mapped, none at a's address");
+    drop((b, c, small));
+    pool.flush_thread_cache();
+    dev.synchronize(&s).unwrap();
+    pool.check().unwrap();
+}

@@ -471,6 +471,13 @@ impl PoolInner {
                 }
                 return Ok(Self::missed("no run", size, chunk, mode));
             };
+            if mode.mapping == Mapping::WithinPeak && !self.maps_fit(addr, size, limit) {
+                // Its maps would pass the peak part of the way through: the first pages would
+                // be mapped afresh and left free when the rest failed (on bert_dynamic, a map
+                // for nearly every placement that went on to rung 7).
+                self.space.give_back(addr, size);
+                return Ok(Self::missed("past the peak", size, chunk, mode));
+            }
             let block = addr / page * page..(addr + size).next_multiple_of(page);
             let mut map = Pager { pool: self, st, limit, lend, remap: remap_dead.get(), block };
             match self.pages.acquire(addr, size, mode.mapping != Mapping::Forbidden, &mut map) {
@@ -728,6 +735,16 @@ impl PoolInner {
             }
         }
         r
+    }
+
+    /// Whether mapping the unmapped pages under `[addr, addr + size)` keeps the memory mapped
+    /// within `limit` (as [`PoolInner::map_pages`] will judge each; a forecast, since other
+    /// threads map meanwhile).
+    fn maps_fit(&self, addr: u64, size: u64, limit: u64) -> bool {
+        let page = self.pages.page_size();
+        let unmapped =
+            (addr / page * page..addr + size).step_by(page as usize).filter(|&q| !self.pages.in_use(q)).count();
+        self.map_budget.load(Ordering::Acquire) + unmapped as u64 * page <= limit
     }
 
     /// Whether the pages `[addr, addr + len)`, wholly free and claimed for unmapping, may go:
