@@ -274,3 +274,46 @@ fn flush_thread_cache_empties_this_threads_cache() {
     let st = pool.stats();
     assert_eq!((st.allocated_bytes, st.reserved_bytes, st.cached_bytes, st.retiring_bytes), (0, 0, 0, 0), "{st:?}");
 }
+
+/// A block larger than every cached class is placed where its stream's cached large blocks
+/// were: they go back to the space first, so the run they cut is whole again. Without that,
+/// first fit went past them to a higher run (here one that was free and mapped too; in a
+/// warm pool, often pages mapped or lent for it alone).
+#[test]
+fn a_block_no_cache_holds_takes_the_run_its_streams_cached_blocks_were_cutting() {
+    const MIB: usize = 1 << 20;
+    let dev = SimDevice::new(1 << 30);
+    let pool = Pool::new(dev.clone(), PoolConfig::default()).unwrap();
+    let s = dev.new_stream().unwrap();
+    // Four cached-class blocks, then 5 MiB (uncached) beside them, a live block, and 8 MiB.
+    let cached: Vec<Block> = (0..4).map(|_| pool.alloc(MIB, &s).unwrap()).collect();
+    let base = cached[0].device_ptr();
+    let beside = pool.alloc(5 * MIB, &s).unwrap();
+    let live = pool.alloc(2 * MIB, &s).unwrap();
+    let higher = pool.alloc(8 * MIB, &s).unwrap();
+    assert_eq!(
+        [beside.device_ptr(), live.device_ptr(), higher.device_ptr()],
+        [base + 4 * MIB as u64, base + 9 * MIB as u64, base + 11 * MIB as u64],
+        "in a row"
+    );
+    drop((beside, higher));
+    drop(cached);
+    assert_eq!(pool.stats().thread_cached_bytes, 4 * MIB as u64, "the four wait in this thread's cache");
+    let mapped = dev.mapped_bytes_total();
+    // 8 MiB, above the largest cached class (4 MiB): the 9 MiB from the base, not the 8 above.
+    let big = pool.alloc(8 * MIB, &s).unwrap();
+    assert_eq!(big.device_ptr(), base, "the run the cached blocks cut");
+    assert_eq!(dev.mapped_bytes_total(), mapped, "nothing mapped");
+    assert_eq!(pool.stats().thread_cached_bytes, 0);
+    // A miss of a cached class leaves the cache alone.
+    drop(big);
+    drop(pool.alloc(MIB, &s).unwrap());
+    let cached_now = pool.stats().thread_cached_bytes;
+    assert!(cached_now > 0);
+    let two = pool.alloc(2 * MIB, &s).unwrap();
+    assert_eq!(pool.stats().thread_cached_bytes, cached_now, "a 2 MiB request takes no cached block back");
+    drop((two, live));
+    pool.flush_thread_cache();
+    dev.synchronize(&s).unwrap();
+    pool.check().unwrap();
+}

@@ -94,6 +94,34 @@ impl PoolInner {
         (taken, missed)
     }
 
+    /// Before a block larger than every cached class is placed (it is placed in the space,
+    /// first fit): the large blocks this thread's cache holds for `st`, those in `st`'s
+    /// depots, and `st`'s wholly free chunks go back, so that the free runs they cut are
+    /// whole again where the block looks. Returns whether anything went.
+    ///
+    /// Why: a cached block keeps its granules and pages while it waits for a request of its
+    /// class, so the space a large block then sees depends on what the caches happen to
+    /// hold, and placements that move from pass to pass take memory from each other's pages.
+    /// Replayed six times in one pool on the simulator, train_gpt2 lent 112–161 pages in
+    /// each pass from the third; with this step, 3 in the third and none after (peak
+    /// reserved ÷ peak live 1.006 instead of 1.028), and bert_dynamic's maps and unmaps a
+    /// pass fell from 1.2–2.9 times its peak to 0.1–0.3 (`docs/BENCHMARKS.md`, thirtieth
+    /// session). Only for uncached requests: a request of a cached class that misses is
+    /// the caches' steady state (the random window misses every ~160 pairs), and giving
+    /// their large blocks back there made the window miss on 15% of its pairs.
+    pub(crate) fn clear_for_uncached(&self, size: u64, st: &StreamState, own: Option<&local::ThreadCache>) -> bool {
+        let all = self.all_classes();
+        let cached = class::class_of(size).is_some_and(|c| all.contains(&c));
+        if cached || !self.space.is_large(size) {
+            return false;
+        }
+        let first = class::class_of(self.config.large_block_threshold).map_or(all.end, |c| c.min(all.end));
+        let mut moved = own.map_or(0, |tc| tc.flush_some(u64::MAX, first..all.end));
+        moved += self.flush_stream_depots(st, u64::MAX, first..all.end, &epoch::pin());
+        let chunks = self.return_free_chunks(st, 0);
+        moved > 0 || chunks > 0
+    }
+
     /// Every stream's wholly free chunks back to the space (each stream keeps `keep`);
     /// returns how many went.
     pub(crate) fn return_all_free_chunks(&self, keep: usize) -> usize {

@@ -4,6 +4,10 @@
 //! request wins. Before the pool maps past its peak, memory it already holds serves the
 //! request; the host waits only as the last step before out-of-memory:
 //!
+//! 0. **Room for a block no cache holds**: before a block larger than every cached class
+//!    is placed, this thread's cached large blocks for the stream, the stream's depots of
+//!    them and its wholly free chunks go back to the space, where they cut the runs such a
+//!    block looks for (module `giveback`).
 //! 1. **Ready memory on mapped pages**: the stream's own free memory (stream order makes it
 //!    safe at once), memory free for everyone, memory other streams freed whose fence's
 //!    event is complete, and memory an earlier device wait of this stream already covers
@@ -113,6 +117,10 @@ impl PoolInner {
         let _span = tracing::debug_span!("ladder", size, stream = st.stream.id()).entered();
         let ready = Mode::READY;
         let try_ready = |p: &Self| p.place(st, size, ready);
+        // 0.
+        if self.clear_for_uncached(size, st, own) {
+            tracing::trace!("rung 0: this stream's cached large blocks went back");
+        }
         // 1.
         if let Some(a) = self.place(st, size, ready)? {
             return Ok(self.placed_by(1, a));
