@@ -125,6 +125,17 @@ fn no_memory_shows_under_two_blocks_while_pages_are_lent() {
     }
 }
 
+/// A 2 MiB page of the simulator.
+const PAGE: usize = 2 << 20;
+
+/// A default pool on a 1 GiB simulated device, and one stream.
+fn one_stream() -> (SimDevice, Pool, vrampool::Stream) {
+    let dev = SimDevice::new(1 << 30);
+    let pool = Pool::new(dev.clone(), PoolConfig::default()).unwrap();
+    let s = dev.new_stream().unwrap();
+    (dev, pool, s)
+}
+
 /// A placement that must map some of its pages never borrows the memory of its own free
 /// pages further up the run: the page that lent would be dead under the same block, and
 /// unmapped and mapped again a moment later. Here a block whose run starts on two dead lent
@@ -133,10 +144,7 @@ fn no_memory_shows_under_two_blocks_while_pages_are_lent() {
 /// nothing else is.
 #[test]
 fn a_placement_never_borrows_from_the_pages_it_is_taking() {
-    const PAGE: usize = 2 << 20;
-    let dev = SimDevice::new(1 << 30);
-    let pool = Pool::new(dev.clone(), PoolConfig::default()).unwrap();
-    let s = dev.new_stream().unwrap();
+    let (dev, pool, s) = one_stream();
     let a = pool.alloc(2 * PAGE, &s).unwrap();
     let base = a.device_ptr();
     let b = pool.alloc(6 * PAGE, &s).unwrap();
@@ -175,10 +183,7 @@ fn a_placement_never_borrows_from_the_pages_it_is_taking() {
 /// can map only two of its three pages; the block goes to a run that needs one map.
 #[test]
 fn a_placement_within_the_peak_maps_nothing_it_cannot_finish() {
-    const PAGE: usize = 2 << 20;
-    let dev = SimDevice::new(1 << 30);
-    let pool = Pool::new(dev.clone(), PoolConfig::default()).unwrap();
-    let s = dev.new_stream().unwrap();
+    let (dev, pool, s) = one_stream();
     let a = pool.alloc(3 * PAGE, &s).unwrap();
     let base = a.device_ptr();
     let b = pool.alloc(PAGE, &s).unwrap();
