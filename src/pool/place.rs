@@ -211,7 +211,7 @@ struct Pager<'a> {
     /// acquires a run lowest first, so a free mapped page further up the run still looks
     /// free when a page below it needs memory, and lending from it would leave it lent with
     /// its memory busy under the same block, to be unmapped and mapped again a moment later
-    /// (on train_gpt2, most of a warm pass's remaps of its 1,148 MiB blocks).
+    /// (seen on train_gpt2's 1,148 MiB blocks in its warm passes).
     block: std::ops::Range<u64>,
 }
 
@@ -473,8 +473,8 @@ impl PoolInner {
             };
             if mode.mapping == Mapping::WithinPeak && !self.maps_fit(addr, size, limit) {
                 // Its maps would pass the peak part of the way through: the first pages would
-                // be mapped afresh and left free when the rest failed (on bert_dynamic, a map
-                // for nearly every placement that went on to rung 7).
+                // be mapped afresh and left free when the rest failed (one for each of the 37
+                // placements of bert_dynamic's second pass that went on to rung 7).
                 self.space.give_back(addr, size);
                 return Ok(Self::missed("past the peak", size, chunk, mode));
             }
