@@ -115,7 +115,8 @@ impl PoolInner {
         if cached || !self.space.is_large(size) {
             return false;
         }
-        let first = class::class_of(self.config.large_block_threshold).map_or(all.end, |c| c.min(all.end));
+        // The classes the space places as large blocks (the threshold it was made with).
+        let first = all.clone().find(|&c| self.space.is_large(class::size_of_class(c))).unwrap_or(all.end);
         let mut moved = own.map_or(0, |tc| tc.flush_some(u64::MAX, first..all.end));
         moved += self.flush_stream_depots(st, u64::MAX, first..all.end, &epoch::pin());
         let chunks = self.return_free_chunks(st, 0);
