@@ -206,3 +206,46 @@ fn a_placement_within_the_peak_maps_nothing_it_cannot_finish() {
     dev.synchronize(&s).unwrap();
     pool.check().unwrap();
 }
+
+/// A block that must map past the peak goes to the next cheapest run when the cheapest one
+/// holds memory another stream freed and this one may not take yet (its event not
+/// complete): before, it walked first fit, which took the lowest run it could have,
+/// however many pages that run needed (resnet50_4streams' 49 MiB blocks mapped about 25
+/// pages each so, a dozen times a pass). Here the cheapest run (a's four pages, freed on
+/// another stream, and one page to map) is refused; a run of five unmapped pages lies below
+/// the next cheapest (c's three free pages and two to map): the block goes to c's run and
+/// maps two pages.
+#[test]
+fn a_placement_past_the_peak_refused_its_cheapest_run_takes_the_next_cheapest() {
+    let (dev, pool, s2) = one_stream();
+    let s1 = dev.new_stream().unwrap();
+    let p = PAGE as u64;
+    let sizes = [4, 1, 1, 5, 1, 3, 2, 2]; // a, g, b, n, k, c, e, f in a row
+                                          // a is s1's, the rest s2's.
+    let on = |i: usize| if i == 0 { &s1 } else { &s2 };
+    let mut blocks: Vec<_> = sizes.iter().enumerate().map(|(i, &n)| pool.alloc(n * PAGE, on(i)).unwrap()).collect();
+    let base = blocks[0].device_ptr();
+    let at: Vec<u64> = blocks.iter().map(|b| (b.device_ptr() - base) / p).collect();
+    assert_eq!(at, [0, 4, 5, 6, 11, 12, 15, 17], "the blocks in a row");
+    let [a, g, b, n, k, c, e, f] = std::array::from_fn(|_| blocks.remove(0));
+    // g's, n's and e's pages go; h maps as many above f, so that the pool is at its peak.
+    drop((g, n, e));
+    pool.flush_thread_cache();
+    dev.synchronize(&s2).unwrap();
+    pool.trim().unwrap();
+    let h = pool.alloc(8 * PAGE, &s2).unwrap();
+    assert_eq!(h.device_ptr(), base + 19 * p, "h above f");
+    assert_eq!(pool.stats().reserved_bytes, pool.stats().peak_reserved_bytes, "at the peak");
+    // a goes back on s1 (no event recorded since: s2 may not take it without a wait), c on s2.
+    drop((a, c));
+    pool.flush_thread_cache();
+    let mapped = dev.mapped_bytes_total();
+    let d = pool.alloc(5 * PAGE, &s2).unwrap();
+    assert_eq!(d.device_ptr(), base + 12 * p, "d over c's pages, not over n's unmapped ones");
+    assert_eq!(dev.mapped_bytes_total() - mapped, 2 * p, "two pages mapped");
+    drop((b, k, f, h, d));
+    pool.flush_thread_cache();
+    dev.synchronize(&s1).unwrap();
+    dev.synchronize(&s2).unwrap();
+    pool.check().unwrap();
+}

@@ -25,8 +25,12 @@
 //!
 //! # Invariants
 //!
-//! * Only a preference: the run chosen is claimed and judged as any other, and if the claim
-//!   fails the placement walks first fit as before.
+//! * Only a preference: the run chosen is claimed and judged as any other. If the judgement
+//!   refuses it (memory another stream freed, its event not complete; a dead page whose
+//!   work is not done), the page it refused is barred and the next cheapest run tried, a few
+//!   times, then first fit. First fit at once took the lowest run it could have however
+//!   many maps it needed: resnet50_4streams' 49 MiB blocks, a dozen times a pass, mapped
+//!   about 25 fresh pages each while a run needing a few stood free higher up.
 //! * Only below the chunk floor: large blocks never go among the streams' chunks unless
 //!   first fit sends them.
 //! * A page another thread is mapping or unmapping rules a run out.
@@ -48,8 +52,12 @@ pub(crate) const SWITCH_COST: u64 = 1;
 /// What a dead lent page of the run costs: an unmap (~29 µs) and a map.
 pub(crate) const REMAP_COST: u64 = 7;
 
-/// What one page of a candidate run costs; None: no block can have it now.
-fn page_cost(pages: &PageMap, q: u64) -> Option<u64> {
+/// What one page of a candidate run costs; None: no block can have it now (or this
+/// placement found it refused: `barred`).
+fn page_cost(pages: &PageMap, barred: &[u64], q: u64) -> Option<u64> {
+    if barred.contains(&q) {
+        return None;
+    }
     match pages.lent(q) {
         Lent::Awake if pages.switch_source(q).is_some() => Some(SWITCH_COST),
         Lent::Awake | Lent::Asleep => Some(REMAP_COST),
@@ -63,15 +71,23 @@ fn page_cost(pages: &PageMap, q: u64) -> Option<u64> {
 /// The cheapest place for `size` bytes among the space's free runs below `floor` (an
 /// address), with its cost: each run's start, and every page boundary in it, a window of
 /// the block's pages slid a page at a time. Windows wholly on pages never mapped are
-/// skipped once one of them was weighed: they all cost the same. None when no run fits.
-pub(crate) fn cheapest_run(space: &Space, pages: &PageMap, size: u64, floor: u64) -> Option<(u64, u64)> {
+/// skipped once one of them was weighed: they all cost the same. Windows over a page of
+/// `barred` (pages a claim of this placement refused) are not candidates. None when no run
+/// fits.
+pub(crate) fn cheapest_run(
+    space: &Space,
+    pages: &PageMap,
+    size: u64,
+    floor: u64,
+    barred: &[u64],
+) -> Option<(u64, u64)> {
     let mut best: Option<(u64, u64)> = None;
     space.for_each_free(|run, len| {
         let end = (run + len).min(floor);
         if end < run + size {
             return;
         }
-        if let Some(found) = cheapest_in(pages, run, end, size) {
+        if let Some(found) = cheapest_in(pages, barred, run, end, size) {
             if best.is_none_or(|b| found < b) {
                 best = Some(found);
             }
@@ -81,7 +97,7 @@ pub(crate) fn cheapest_run(space: &Space, pages: &PageMap, size: u64, floor: u64
 }
 
 /// The cheapest window of `size` bytes in the free run `[run, end)`: (cost, address).
-fn cheapest_in(pages: &PageMap, run: u64, end: u64, size: u64) -> Option<(u64, u64)> {
+fn cheapest_in(pages: &PageMap, barred: &[u64], run: u64, end: u64, size: u64) -> Option<(u64, u64)> {
     let page = pages.page_size();
     let span = |a: u64| (a / page * page, (a + size - 1) / page * page);
     let all_new = size.div_ceil(page) * MAP_COST;
@@ -98,7 +114,7 @@ fn cheapest_in(pages: &PageMap, run: u64, end: u64, size: u64) -> Option<(u64, u
         *w = Window::default();
         let (first, last) = span(a);
         for q in (first..=last).step_by(page as usize) {
-            w.push(page_cost(pages, q));
+            w.push(page_cost(pages, barred, q));
         }
     };
     fill(run, &mut w);
@@ -128,7 +144,7 @@ fn cheapest_in(pages: &PageMap, run: u64, end: u64, size: u64) -> Option<(u64, u
             break;
         }
         w.pop();
-        w.push(page_cost(pages, span(a + page).1));
+        w.push(page_cost(pages, barred, span(a + page).1));
         a += page;
     }
     best
@@ -202,15 +218,15 @@ mod tests {
     fn a_block_that_must_map_goes_where_the_fewest_pages_need_it_not_to_the_lowest_run() {
         let (space, pages) = world(10..14);
         let floor = BASE + 32 * P;
-        assert_eq!(cheapest_run(&space, &pages, 3 * P, floor), Some((BASE + 10 * P, 0)), "on mapped pages");
+        assert_eq!(cheapest_run(&space, &pages, 3 * P, floor, &[]), Some((BASE + 10 * P, 0)), "on mapped pages");
         // Half a page more: one map whichever side, and the lower window among equals.
-        assert_eq!(cheapest_run(&space, &pages, 4 * P + P / 2, floor), Some((BASE + 9 * P, MAP_COST)));
+        assert_eq!(cheapest_run(&space, &pages, 4 * P + P / 2, floor, &[]), Some((BASE + 9 * P, MAP_COST)));
         // Nothing mapped below the floor: the lowest run, every page a map.
-        assert_eq!(cheapest_run(&space, &pages, 3 * P, BASE + 8 * P), Some((BASE, 3 * MAP_COST)));
+        assert_eq!(cheapest_run(&space, &pages, 3 * P, BASE + 8 * P, &[]), Some((BASE, 3 * MAP_COST)));
         // Granules taken cut the runs: two of the mapped pages are left free, and a map.
         let taken = space.alloc_large(12 * P, &mut |_, _| Ok(())).unwrap();
         assert_eq!(taken, BASE);
-        assert_eq!(cheapest_run(&space, &pages, 3 * P, floor), Some((BASE + 12 * P, MAP_COST)));
+        assert_eq!(cheapest_run(&space, &pages, 3 * P, floor, &[]), Some((BASE + 12 * P, MAP_COST)));
     }
 
     #[test]
@@ -218,9 +234,13 @@ mod tests {
         let (space, pages) = world(0..4);
         kill_page_1(&pages);
         let floor = BASE + 32 * P;
-        assert_eq!(cheapest_run(&space, &pages, 4 * P, floor), Some((BASE, REMAP_COST)), "one remap, not two maps");
+        assert_eq!(
+            cheapest_run(&space, &pages, 4 * P, floor, &[]),
+            Some((BASE, REMAP_COST)),
+            "one remap, not two maps"
+        );
         // Where the maps saved are fewer than a remap costs, the run goes elsewhere.
-        assert_eq!(cheapest_run(&space, &pages, P + P / 2, floor), Some((BASE + 2 * P, 0)));
+        assert_eq!(cheapest_run(&space, &pages, P + P / 2, floor, &[]), Some((BASE + 2 * P, 0)));
     }
 
     #[test]
@@ -228,11 +248,22 @@ mod tests {
         let (space, pages) = world(0..2);
         kill_page_1(&pages);
         // Pages 0 and 1: one remap (7) against two maps (8).
-        assert_eq!(cheapest_run(&space, &pages, 2 * P, BASE + 16 * P), Some((BASE, REMAP_COST)));
+        assert_eq!(cheapest_run(&space, &pages, 2 * P, BASE + 16 * P, &[]), Some((BASE, REMAP_COST)));
         // Three pages: a remap and a map (11) against three maps (12); the window past the
         // dead page needs three as well.
-        assert_eq!(cheapest_run(&space, &pages, 3 * P, BASE + 16 * P), Some((BASE, REMAP_COST + MAP_COST)));
+        assert_eq!(cheapest_run(&space, &pages, 3 * P, BASE + 16 * P, &[]), Some((BASE, REMAP_COST + MAP_COST)));
         // Beside the block on page 20 (sharing its page), one map is cheaper still.
-        assert_eq!(cheapest_run(&space, &pages, 2 * P, BASE + 32 * P), Some((BASE + 19 * P, MAP_COST)));
+        assert_eq!(cheapest_run(&space, &pages, 2 * P, BASE + 32 * P, &[]), Some((BASE + 19 * P, MAP_COST)));
+    }
+
+    #[test]
+    fn no_window_over_a_barred_page_is_a_candidate() {
+        let (space, pages) = world(10..14);
+        let floor = BASE + 32 * P;
+        // Page 12 refused: no three-page window of the mapped four avoids it; the one from
+        // page 9 maps one page, any past page 12 two or more.
+        let barred = [BASE + 12 * P];
+        assert_eq!(cheapest_run(&space, &pages, 3 * P, floor, &barred), Some((BASE + 9 * P, MAP_COST)));
+        assert_eq!(cheapest_run(&space, &pages, 2 * P, floor, &barred), Some((BASE + 10 * P, 0)));
     }
 }

@@ -29,7 +29,7 @@
 //! block that may borrow memory for its pages (past the pool's peak) goes first to the run
 //! whose pages cost the fewest driver calls, where a lent page whose memory is busy
 //! elsewhere is unmapped and mapped afresh rather than ruling the run out (module
-//! `cheapest`); first fit if that claim fails. And, as the ladder's last step,
+//! `cheapest`); the next cheapest if the judgement refuses that run, first fit after a few. And, as the ladder's last step,
 //! a small block that its stream's chunks cannot hold, when no free page-sized run is left
 //! for a chunk, takes a run of the extents like a large block (at whole granules) rather
 //! than fail: at the limit the free memory is mostly the gaps between large blocks.
@@ -255,6 +255,10 @@ impl Mapper for Pager<'_> {
 /// placement got to first.
 const CLAIM_TRIES: usize = 3;
 
+/// Cheapest runs a placement past the peak tries, each without the pages the claims before
+/// it refused, before it walks first fit (module `cheapest`).
+const CHEAPEST_TRIES: usize = 4;
+
 impl PoolInner {
     /// Whether `st` may take back the memory of the page at `from` (lent pages' memory,
     /// serving there now and free): every fence on it lets `st` reuse it at once.
@@ -436,14 +440,25 @@ impl PoolInner {
         // Past the peak, a large block goes to the run that costs the fewest driver calls
         // (module `cheapest`), tried once; first fit after.
         let floor = self.space.base() + self.space.chunk_floor();
-        let mut cheapest = (lend && !chunk && size > page && !self.near_limit())
-            .then(|| cheapest::cheapest_run(&self.space, pages, size, floor))
-            .flatten();
+        let by_cost = lend && !chunk && size > page && !self.near_limit();
+        // Pages of the cheapest runs whose claim the judgement refused (a fence of another
+        // stream's work not complete, a dead page whose work is not done): the next cheapest
+        // run is looked for without them, a few times, before first fit.
+        let mut barred = Vec::new();
+        let mut cheapest = by_cost.then(|| cheapest::cheapest_run(&self.space, pages, size, floor, &barred)).flatten();
         let (addr, held) = loop {
             remap_dead.set(false);
             let got = if let Some((at, _)) = cheapest.take() {
                 remap_dead.set(true);
-                self.space.claim_large_at(at, size, &mut accept)
+                let mut refused = None;
+                let got = self
+                    .space
+                    .claim_large_at(at, size, &mut |a, l| accept(a, l).inspect_err(|&past| refused = Some(past)));
+                if let Some(past) = refused.filter(|_| got.is_none() && barred.len() < CHEAPEST_TRIES) {
+                    barred.push(past / page * page);
+                    cheapest = cheapest::cheapest_run(&self.space, pages, size, floor, &barred);
+                }
+                got
             } else if chunk {
                 // A pool holding a reserve (`Pool::reserve`) maps it low, for blocks of every
                 // size: its chunks may take reserved pages below the chunk floor rather than
