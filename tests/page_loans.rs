@@ -208,8 +208,8 @@ fn a_placement_within_the_peak_maps_nothing_it_cannot_finish() {
 }
 
 /// A block that must map past the peak goes to the next cheapest run when the cheapest one
-/// holds memory another stream freed and this one may not take yet (its event not
-/// complete): before, it walked first fit, which took the lowest run it could have,
+/// holds memory another stream freed and this one may not take yet (that stream is
+/// stalled: its event cannot complete): before, it walked first fit, which took the lowest run it could have,
 /// however many pages that run needed (resnet50_4streams' 49 MiB blocks mapped about 25
 /// pages each so, a dozen times a pass). Here the cheapest run (a's four pages, freed on
 /// another stream, and one page to map) is refused; a run of five unmapped pages lies below
@@ -236,13 +236,20 @@ fn a_placement_past_the_peak_refused_its_cheapest_run_takes_the_next_cheapest() 
     let h = pool.alloc(8 * PAGE, &s2).unwrap();
     assert_eq!(h.device_ptr(), base + 19 * p, "h above f");
     assert_eq!(pool.stats().reserved_bytes, pool.stats().peak_reserved_bytes, "at the peak");
-    // a goes back on s1 (no event recorded since: s2 may not take it without a wait), c on s2.
+    // a goes back on s1, which is stalled (s2 may not take a's memory without a wait), c on
+    // s2.
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    dev.enqueue(&s1, move || {
+        let _ = rx.recv();
+    })
+    .unwrap();
     drop((a, c));
     pool.flush_thread_cache();
     let mapped = dev.mapped_bytes_total();
     let d = pool.alloc(5 * PAGE, &s2).unwrap();
     assert_eq!(d.device_ptr(), base + 12 * p, "d over c's pages, not over n's unmapped ones");
     assert_eq!(dev.mapped_bytes_total() - mapped, 2 * p, "two pages mapped");
+    drop(tx);
     drop((b, k, f, h, d));
     pool.flush_thread_cache();
     dev.synchronize(&s1).unwrap();

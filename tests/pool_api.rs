@@ -321,6 +321,39 @@ fn once_a_stream_has_waited_for_another_the_memory_freed_before_that_wait_is_rea
 }
 
 #[test]
+fn memory_another_stream_freed_is_covered_by_an_event_once_a_placement_meets_it() {
+    // A free on `t` is fenced by `t`'s next event, which the pool records on its own only
+    // every 64 frees or 64 MiB. A placement for `s` that meets such a fence records it (here
+    // on a stalled `t`, so that placement goes on to new pages): once `t` has run past the
+    // free, the next request of `s` takes that memory where it is mapped, with no device
+    // wait (turned off here, as a server that wants its streams independent does).
+    let dev = SimDevice::new(1 << 30);
+    let config = PoolConfig { cross_stream_waits: false, ..PoolConfig::default() };
+    let pool = Pool::new(dev.clone(), config).unwrap();
+    let (s, t) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    const BIG: usize = 8 << 20;
+    let a = pool.alloc(BIG, &t).unwrap();
+    let addr = a.device_ptr();
+    drop(a);
+    let tx = stalled(&dev, &t);
+    let events = pool.stats().events_recorded;
+    let x = pool.alloc(2 << 20, &s).unwrap();
+    assert!(x.device_ptr() >= addr + BIG as u64, "not on the memory `t` freed while `t` is stalled");
+    assert!(pool.stats().events_recorded > events, "an event recorded on `t` for its free");
+    drop(tx);
+    dev.synchronize(&t).unwrap();
+    let mapped = dev.mapped_bytes_total();
+    let y = pool.alloc(BIG, &s).unwrap();
+    let st = pool.stats();
+    assert_eq!(y.device_ptr(), addr, "the memory `t` freed ({st:?})");
+    assert_eq!(dev.mapped_bytes_total(), mapped, "no page mapped");
+    assert_eq!(st.device_waits, 0);
+    drop((x, y));
+    dev.synchronize(&s).unwrap();
+    all_given_back(&pool);
+}
+
+#[test]
 fn a_small_block_of_another_stream_queued_first_does_not_hold_back_a_large_one() {
     // Only its own stream may take a small `record_stream` block before its events complete
     // (its memory goes back to that stream's chunk); a large one any stream may. Queued

@@ -105,11 +105,24 @@ struct Judge<'a> {
     own: bool,
     /// Whether a granule was taken because an earlier device wait of this stream covers it.
     covered: bool,
+    /// The streams whose events this judgement polled, and covered where none was
+    /// outstanding ([`Judge::hurry`]).
+    hurried: Vec<u32>,
 }
 
 impl<'a> Judge<'a> {
     fn new(pool: &'a PoolInner, st: &'a StreamState, reuse: Reuse) -> Judge<'a> {
-        Judge { pool, st, reuse, reg: pool.registry.load(), memo: None, waits: Vec::new(), own: false, covered: false }
+        Judge {
+            pool,
+            st,
+            reuse,
+            reg: pool.registry.load(),
+            memo: None,
+            waits: Vec::new(),
+            own: false,
+            covered: false,
+            hurried: Vec::new(),
+        }
     }
 
     /// Judge afresh every fence of `[addr, addr + len)`: true if all may be taken (the
@@ -159,6 +172,9 @@ impl<'a> Judge<'a> {
             self.covered = true;
             return true;
         }
+        if self.hurry(slot) && self.reg.slots.get(slot as usize - 1).is_some_and(|e| e.fence.is_complete(seq)) {
+            return true;
+        }
         if self.reuse != Reuse::Wait || !self.pool.config.cross_stream_waits {
             return false;
         }
@@ -166,6 +182,27 @@ impl<'a> Judge<'a> {
             Some(w) => w.1 = w.1.max(seq),
             None => self.waits.push((slot, seq)),
         }
+        true
+    }
+
+    /// The first time this judgement meets an incomplete fence of stream `slot`: poll that
+    /// stream's events and, if none is outstanding, record one that covers its frees so far
+    /// (`PoolInner::cover`, which neither records on a stream being captured nor calls the
+    /// device from a host function). True if that was done now. Frees are covered only every
+    /// 64 blocks or 64 MiB (`note_free`), so a stream that freed a few large blocks left
+    /// them refused to every other stream until its next batch: each placement's walk met
+    /// the same refused runs again (about 14 a claim in threads_streams' second pass) and
+    /// the ladder went on to device waits or page loans for memory that an event would have
+    /// freed. Asked once a judgement, each ask is one query and at most one record.
+    fn hurry(&mut self, slot: u32) -> bool {
+        if self.hurried.contains(&slot) {
+            return false;
+        }
+        self.hurried.push(slot);
+        let Some(other) = self.reg.slots.get(slot as usize - 1).and_then(|e| e.state.upgrade()) else {
+            return false;
+        };
+        self.pool.cover(&other, &epoch::pin());
         true
     }
 
