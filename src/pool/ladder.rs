@@ -11,7 +11,9 @@
 //! 1. **Ready memory on mapped pages**: the stream's own free memory (stream order makes it
 //!    safe at once), memory free for everyone, memory other streams freed whose fence's
 //!    event is complete, and memory an earlier device wait of this stream already covers
-//!    (stream order again: `crate::reclaim::waited`).
+//!    (stream order again: `crate::reclaim::waited`). A stream whose incomplete fence the
+//!    placement meets gets an event recorded if none is outstanding, so that the memory it
+//!    freed is ready soon (module `place`, `Judge::hurry`).
 //! 2. **Settle**: poll every stream's events and the queue of blocks used on several
 //!    streams; try again.
 //! 3. **This stream's caches**: this thread's cache for the stream and the stream's depots
@@ -33,10 +35,10 @@
 //!    pages mapped where the request does not fit are unmapped first, so the pool trades
 //!    pages rather than grow (on a device that maps memory at two addresses, their memory
 //!    is lent instead, and a large block goes to the run that needs the fewest driver calls:
-//!    module `cheapest`). When the peak does rise (by a growth step), every thread's
-//!    cache gives back what it holds beyond a keep at its owner's next slow path (busy
-//!    caches are never taken from: see rung 5), so that the requests after this one find
-//!    that memory.
+//!    module `cheapest`; the next cheapest where the judgement refuses it). When the peak
+//!    does rise (by a growth step), every thread's cache gives back what it holds beyond a
+//!    keep at its owner's next slow path (busy caches are never taken from: see rung 5), so
+//!    that the requests after this one find that memory.
 //! 8. **Host waits**: on every stream's work so far (the requesting stream's too: unmapping a
 //!    page needs its work done) and the oldest multi-stream batch, then
 //!    everything idle is reclaimed again, free pages are unmapped, and the request tried
