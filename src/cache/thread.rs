@@ -542,28 +542,29 @@ impl CacheShared {
     ) -> u64 {
         // SAFETY: the caller holds the handshake.
         let mags = unsafe { self.mags() };
-        mags.open_all();
         let mut moved = 0;
-        for (class, slot) in mags.classes.iter_mut().enumerate().rev() {
+        // Only the classes asked for are opened: the ladder's rung 0 asks for the large
+        // ones before every block no cache holds, and opening all of them each time was a
+        // walk of every class for a few.
+        for class in (classes.start..classes.end.min(mags.classes.len())).rev() {
             if moved >= target {
                 break;
             }
-            if !classes.contains(&class) {
-                continue;
-            }
-            let Some(cm) = slot.as_mut() else { continue };
-            let size = u64::from(cm.size);
-            for m in [&mut cm.prev, &mut cm.loaded] {
-                if moved >= target {
-                    break;
+            mags.open(class);
+            if let Some(cm) = mags.classes[class].as_mut() {
+                let size = u64::from(cm.size);
+                for m in [&mut cm.prev, &mut cm.loaded] {
+                    if moved >= target {
+                        break;
+                    }
+                    let bytes = m.len() as u64 * size;
+                    m.drain(|a| retire(class, a));
+                    moved += bytes;
+                    drop_by(&self.counters.cached_bytes, bytes);
                 }
-                let bytes = m.len() as u64 * size;
-                m.drain(|a| retire(class, a));
-                moved += bytes;
-                drop_by(&self.counters.cached_bytes, bytes);
             }
+            mags.close(class);
         }
-        mags.close_all();
         moved
     }
 
