@@ -209,12 +209,12 @@ fn a_placement_within_the_peak_maps_nothing_it_cannot_finish() {
 
 /// A block that must map past the peak goes to the next cheapest run when the cheapest one
 /// holds memory another stream freed and this one may not take yet (that stream is
-/// stalled: its event cannot complete): before, it walked first fit, which took the lowest run it could have,
-/// however many pages that run needed (resnet50_4streams' 49 MiB blocks mapped about 25
-/// pages each so, a dozen times a pass). Here the cheapest run (a's four pages, freed on
-/// another stream, and one page to map) is refused; a run of five unmapped pages lies below
-/// the next cheapest (c's three free pages and two to map): the block goes to c's run and
-/// maps two pages.
+/// stalled: its event cannot complete): before, it walked first fit, which took the lowest
+/// run it could have, however many pages that run needed (resnet50_4streams' 49 MiB blocks
+/// mapped about 25 pages each so, about nine times a pass). Here the cheapest run (a's four
+/// pages, freed on another stream, and one page to map) is refused; a run of five unmapped
+/// pages lies below the next cheapest (c's three free pages and two to map): the block
+/// goes to c's run and maps two pages.
 #[test]
 fn a_placement_past_the_peak_refused_its_cheapest_run_takes_the_next_cheapest() {
     let (dev, pool, s2) = one_stream();

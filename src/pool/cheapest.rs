@@ -29,7 +29,7 @@
 //!   refuses it (memory another stream freed, its event not complete; a dead page whose
 //!   work is not done), the page it refused is barred and the next cheapest run tried, a few
 //!   times, then first fit. First fit at once took the lowest run it could have however
-//!   many maps it needed: resnet50_4streams' 49 MiB blocks, a dozen times a pass, mapped
+//!   many maps it needed: resnet50_4streams' 49 MiB blocks, about nine times a pass, mapped
 //!   about 25 fresh pages each while a run needing a few stood free higher up.
 //! * Only below the chunk floor: large blocks never go among the streams' chunks unless
 //!   first fit sends them.

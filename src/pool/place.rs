@@ -29,10 +29,11 @@
 //! block that may borrow memory for its pages (past the pool's peak) goes first to the run
 //! whose pages cost the fewest driver calls, where a lent page whose memory is busy
 //! elsewhere is unmapped and mapped afresh rather than ruling the run out (module
-//! `cheapest`); the next cheapest if the judgement refuses that run, first fit after a few. And, as the ladder's last step,
-//! a small block that its stream's chunks cannot hold, when no free page-sized run is left
-//! for a chunk, takes a run of the extents like a large block (at whole granules) rather
-//! than fail: at the limit the free memory is mostly the gaps between large blocks.
+//! `cheapest`); the next cheapest if the judgement refuses that run, first fit after a
+//! few. And, as the ladder's last step, a small block that its stream's chunks cannot
+//! hold, when no free page-sized run is left for a chunk, takes a run of the extents like
+//! a large block (at whole granules) rather than fail: at the limit the free memory is
+//! mostly the gaps between large blocks.
 //!
 //! A freed block goes back at once: a small one to its stream's arena (whole chunks beyond a
 //! few go back to the space), a large one (or a small one that no stream's chunk holds) to
@@ -475,7 +476,7 @@ impl PoolInner {
         let lend = mode.mapping == Mapping::Allowed && self.config.trade_pages_on_map && self.device.can_alias();
         let mut tries = 0;
         // Past the peak, a large block goes to the run that costs the fewest driver calls
-        // (module `cheapest`), tried once; first fit after.
+        // (module `cheapest`); first fit after `CHEAPEST_TRIES` refused ones.
         let floor = self.space.base() + self.space.chunk_floor();
         let by_cost = lend && !chunk && size > page && !self.near_limit();
         // Pages of the cheapest runs whose claim the judgement refused (a fence of another
