@@ -24,6 +24,10 @@ const STRIDE: u64 = 64 << 10;
 mod xorshift;
 use xorshift::Rng;
 
+#[path = "support/stall.rs"]
+mod stall;
+use stall::stalled;
+
 /// Wrong blocks seen by host functions, and the first one's description.
 #[derive(Default)]
 struct Seen {
@@ -238,11 +242,7 @@ fn a_placement_past_the_peak_refused_its_cheapest_run_takes_the_next_cheapest() 
     assert_eq!(pool.stats().reserved_bytes, pool.stats().peak_reserved_bytes, "at the peak");
     // a goes back on s1, which is stalled (s2 may not take a's memory without a wait), c on
     // s2.
-    let (tx, rx) = std::sync::mpsc::channel::<()>();
-    dev.enqueue(&s1, move || {
-        let _ = rx.recv();
-    })
-    .unwrap();
+    let tx = stalled(&dev, &s1);
     drop((a, c));
     pool.flush_thread_cache();
     let mapped = dev.mapped_bytes_total();

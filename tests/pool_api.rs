@@ -16,15 +16,9 @@ fn all_given_back(pool: &Pool) {
     assert_eq!(pool.stats().reserved_bytes, 0);
 }
 
-/// `stream` runs nothing enqueued after this until the returned sender is dropped.
-fn stalled(dev: &SimDevice, stream: &Stream) -> std::sync::mpsc::Sender<()> {
-    let (tx, rx) = std::sync::mpsc::channel::<()>();
-    dev.enqueue(stream, move || {
-        let _ = rx.recv();
-    })
-    .unwrap();
-    tx
-}
+#[path = "support/stall.rs"]
+mod stall;
+use stall::stalled;
 
 /// Work enqueued on `stream` now runs only once the stalled stream behind `tx` is released:
 /// `stream` waits for it on the device.

@@ -110,11 +110,10 @@ impl PoolInner {
     /// the caches' steady state (the random window misses every ~160 pairs), and giving
     /// their large blocks back there made the window miss on 15% of its pairs.
     pub(crate) fn clear_for_uncached(&self, size: u64, st: &StreamState, own: Option<&local::ThreadCache>) -> bool {
-        let all = self.all_classes();
-        let cached = class::class_of(size).is_some_and(|c| all.contains(&c));
-        if cached || !self.space.is_large(size) {
+        if !self.above_classes(size) || !self.space.is_large(size) {
             return false;
         }
+        let all = self.all_classes();
         // The classes the space places as large blocks (the threshold it was made with).
         let first = all.clone().find(|&c| self.space.is_large(class::size_of_class(c))).unwrap_or(all.end);
         let mut moved = own.map_or(0, |tc| tc.flush_some(u64::MAX, first..all.end));
@@ -406,17 +405,12 @@ impl PoolInner {
     }
 
     /// Whether a block's fence on one stream is complete. A stamp not complete yet is covered
-    /// (`cover`: an event recorded unless one is outstanding), so that a stream nobody frees
-    /// on, a copy stream, still gets the event its stamps wait for.
+    /// (`covered_complete`), so that a stream nobody frees on, a copy stream, still gets the
+    /// event its stamps wait for.
     fn fence_done(&self, f: &Fence, guard: &epoch::Guard) -> bool {
         match f {
             Fence::Event(ev) => self.event_done(ev),
-            Fence::Stamp(st, seq) => {
-                st.fence.is_complete(*seq) || {
-                    self.cover(st, guard);
-                    st.fence.is_complete(*seq)
-                }
-            }
+            Fence::Stamp(st, seq) => self.covered_complete(st, *seq, guard),
         }
     }
 

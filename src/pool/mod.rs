@@ -515,7 +515,7 @@ impl PoolInner {
     }
 
     /// Whether a block of `size` is larger than every cached class.
-    fn above_classes(&self, size: u64) -> bool {
+    pub(crate) fn above_classes(&self, size: u64) -> bool {
         self.hot.classes.checked_sub(1).is_none_or(|c| size > class::size_of_class(c))
     }
 

@@ -173,7 +173,7 @@ impl<'a> Judge<'a> {
             self.covered = true;
             return true;
         }
-        if self.hurry(slot) && self.reg.slots.get(slot as usize - 1).is_some_and(|e| e.fence.is_complete(seq)) {
+        if self.hurry(slot, seq) {
             return true;
         }
         if self.reuse != Reuse::Wait || !self.pool.config.cross_stream_waits {
@@ -188,23 +188,21 @@ impl<'a> Judge<'a> {
 
     /// The first time this judgement meets an incomplete fence of stream `slot`: poll that
     /// stream's events and, if none is outstanding, record one that covers its frees so far
-    /// (`PoolInner::cover`, which neither records on a stream being captured nor calls the
-    /// device from a host function). True if that was done now. Frees are covered only every
+    /// (`PoolInner::covered_complete`, as the queue of multi-stream blocks does; `cover`
+    /// neither records on a stream being captured nor calls the device from a host
+    /// function). True if the fence `seq` is complete now. Frees are covered only every
     /// 64 blocks or 64 MiB (`note_free`), so a stream that freed a few large blocks left
     /// them refused to every other stream until its next batch: each placement's walk met
     /// the same refused runs again (about 14 a claim in threads_streams' second pass) and
     /// the ladder went on to device waits or page loans for memory that an event would have
     /// freed. Asked once a judgement, each ask is one query and at most one record.
-    fn hurry(&mut self, slot: u32) -> bool {
+    fn hurry(&mut self, slot: u32, seq: u64) -> bool {
         if self.hurried.contains(&slot) {
             return false;
         }
         self.hurried.push(slot);
-        let Some(other) = self.reg.slots.get(slot as usize - 1).and_then(|e| e.state.upgrade()) else {
-            return false;
-        };
-        self.pool.cover(&other, &epoch::pin());
-        true
+        let other = self.reg.slots.get(slot as usize - 1).and_then(|e| e.state.upgrade());
+        other.is_some_and(|other| self.pool.covered_complete(&other, seq, &epoch::pin()))
     }
 
     /// Make the stream wait on the device for every event the placement needs. False if

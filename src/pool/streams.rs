@@ -261,6 +261,16 @@ impl PoolInner {
         let _ = self.record_on(&st.stream, &st.fence, guard);
     }
 
+    /// Whether the frees stamped `seq` on `st`'s stream are complete, covering them first
+    /// if not (`cover`: the log polled, and an event recorded unless one is outstanding), so
+    /// that a stream nobody is waiting on still gets the event its stamps need.
+    pub(crate) fn covered_complete(&self, st: &StreamState, seq: u64, guard: &epoch::Guard) -> bool {
+        st.fence.is_complete(seq) || {
+            self.cover(st, guard);
+            st.fence.is_complete(seq)
+        }
+    }
+
     /// The state of `stream` for fencing a block used there (`record_stream`): made the
     /// first time, as for an allocation. `None` while the pool is being dropped, or for a
     /// stream it cannot serve (destroyed, or past the most streams a pool keeps).
