@@ -126,6 +126,20 @@ fn runs_span_word_and_chunk_boundaries() {
 }
 
 #[test]
+fn a_walk_passes_a_chunk_of_full_words_and_finds_the_run_past_it() {
+    let per_chunk = CHUNK as u64 * BITS;
+    let e = Extents::new(0, 2 * per_chunk * G, G).unwrap();
+    assert_eq!(e.alloc(G), Some(0));
+    assert_eq!(e.alloc((per_chunk - 1) * G), Some(G));
+    assert_eq!(e.alloc(2 * G), Some(per_chunk * G));
+    // The hole at granule 0 brings the hint down to word 0: the next walk starts there, runs
+    // past a chunk of full words and must resume at the next chunk's first word.
+    assert!(e.free(0, G));
+    assert_eq!(e.alloc(2 * G), Some((per_chunk + 2) * G));
+    assert_eq!(e.alloc(G), Some(0), "the hole itself is still found");
+}
+
+#[test]
 fn the_last_partial_word_is_never_overrun() {
     // 100 granules: the second word has 36 valid bits.
     let e = Extents::new(0, 100 * G, G).unwrap();
