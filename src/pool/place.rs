@@ -475,13 +475,12 @@ impl PoolInner {
         let mut tries = 0;
         // Past the peak, a large block goes to the run that costs the fewest driver calls
         // (module `cheapest`); first fit after `CHEAPEST_TRIES` refused ones.
-        let floor = self.space.base() + self.space.chunk_floor();
         let by_cost = lend && !chunk && size > page && !self.near_limit();
         // Pages of the cheapest runs whose claim the judgement refused (a fence of another
         // stream's work not complete, a dead page whose work is not done): the next cheapest
         // run is looked for without them, a few times, before first fit.
         let mut barred = Vec::new();
-        let mut cheapest = by_cost.then(|| cheapest::cheapest_run(&self.space, pages, size, floor, &barred)).flatten();
+        let mut cheapest = by_cost.then(|| cheapest::cheapest_run(&self.space, pages, size, &barred)).flatten();
         let (addr, held) = loop {
             remap_dead.set(false);
             let got = if let Some((at, _)) = cheapest.take() {
@@ -492,7 +491,7 @@ impl PoolInner {
                     .claim_large_at(at, size, &mut |a, l| accept(a, l).inspect_err(|&past| refused = Some(past)));
                 if let Some(past) = refused.filter(|_| got.is_none() && barred.len() < CHEAPEST_TRIES) {
                     barred.push(past / page * page);
-                    cheapest = cheapest::cheapest_run(&self.space, pages, size, floor, &barred);
+                    cheapest = cheapest::cheapest_run(&self.space, pages, size, &barred);
                 }
                 got
             } else if chunk {
