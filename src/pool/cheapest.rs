@@ -73,19 +73,18 @@ fn page_cost(pages: &PageMap, barred: &[u64], q: u64) -> Option<u64> {
     }
 }
 
-/// The cheapest place for `size` bytes among the space's free runs, with its cost: each run's start, and every page boundary in it, a window of
-/// the block's pages slid a page at a time. Windows wholly on pages never mapped are
-/// skipped once one of them was weighed: they all cost the same. Windows over a page of
-/// `barred` (pages a claim of this placement refused) are not candidates. None when no run
-/// fits.
+/// The cheapest place for `size` bytes among the space's free runs, with its cost: each
+/// run's start, and every page boundary in it, a window of the block's pages slid a page at
+/// a time. Windows wholly on pages never mapped are skipped once one of them was weighed:
+/// they all cost the same. Windows over a page of `barred` (pages a claim of this placement
+/// refused) are not candidates. None when no run fits.
 pub(crate) fn cheapest_run(space: &Space, pages: &PageMap, size: u64, barred: &[u64]) -> Option<(u64, u64)> {
     let mut best: Option<(u64, u64)> = None;
     space.for_each_free(|run, len| {
-        let end = run + len;
-        if end < run + size {
+        if len < size {
             return;
         }
-        if let Some(found) = cheapest_in(pages, barred, run, end, size) {
+        if let Some(found) = cheapest_in(pages, barred, run, run + len, size) {
             if best.is_none_or(|b| found < b) {
                 best = Some(found);
             }
