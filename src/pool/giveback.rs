@@ -36,7 +36,8 @@ impl PoolInner {
         guard: &epoch::Guard,
     ) -> u64 {
         let mut moved = 0;
-        for (class, d) in st.depots.iter().enumerate().rev().filter(|(c, _)| classes.contains(c)) {
+        let classes = classes.start.min(st.depots.len())..classes.end.min(st.depots.len());
+        for (class, d) in st.depots[classes.clone()].iter().enumerate().rev().map(|(i, d)| (classes.start + i, d)) {
             let size = class::size_of_class(class);
             while moved < target && d.full_count() > 0 {
                 let Some(mut m) = d.take_full(guard) else { break };
