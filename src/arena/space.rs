@@ -151,6 +151,12 @@ impl Space {
         size >= self.large
     }
 
+    /// The smallest size [`Space::is_large`] sends to the extents (the threshold the space
+    /// was made with, clamped to a granule – a chunk).
+    pub fn large_threshold(&self) -> u64 {
+        self.large
+    }
+
     /// The bytes a request of `bytes` occupies: whole granules for a large block, 256-byte
     /// multiples otherwise. None on overflow.
     pub fn size_for(&self, bytes: u64) -> Option<u64> {

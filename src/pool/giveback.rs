@@ -36,8 +36,8 @@ impl PoolInner {
         guard: &epoch::Guard,
     ) -> u64 {
         let mut moved = 0;
-        let classes = classes.start.min(st.depots.len())..classes.end.min(st.depots.len());
-        for (class, d) in st.depots[classes.clone()].iter().enumerate().rev().map(|(i, d)| (classes.start + i, d)) {
+        for class in classes.rev() {
+            let Some(d) = st.depots.get(class) else { continue };
             let size = class::size_of_class(class);
             while moved < target && d.full_count() > 0 {
                 let Some(mut m) = d.take_full(guard) else { break };
@@ -115,8 +115,9 @@ impl PoolInner {
             return false;
         }
         let all = self.all_classes();
-        // The classes the space places as large blocks (the threshold it was made with).
-        let first = all.clone().find(|&c| self.space.is_large(class::size_of_class(c))).unwrap_or(all.end);
+        // The classes the space places as large blocks: from the class that holds its
+        // threshold (the smallest class at least that large) up.
+        let first = class::class_of(self.space.large_threshold()).map_or(all.end, |c| c.min(all.end));
         let mut moved = own.map_or(0, |tc| tc.flush_some(u64::MAX, first..all.end));
         moved += self.flush_stream_depots(st, u64::MAX, first..all.end, &epoch::pin());
         let chunks = self.return_free_chunks(st, 0);
