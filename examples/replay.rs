@@ -17,6 +17,9 @@
 //!   second pass too: time per event (the best-fit pool's likewise, its second pass in one
 //!   pool) and the bytes the device mapped and unmapped during it (the simulator's own
 //!   counts; on CUDA, from the pool's figures);
+//! - `--passes N`: with `--warm` implied, N passes in one pool: the second is reported as
+//!   above, and every later one by its maps + unmaps ÷ peak and time per event (whether the
+//!   layout settles once the trace repeats);
 //! - `--costs`: the simulator spends an H200 driver's costs (`SimCosts::h200`);
 //! - `--sim`: the simulator even where there is a GPU;
 //! - `--interleave`: play all the traces given at once, as one trace, each on its own streams;
@@ -85,7 +88,7 @@ struct Args {
 fn usage(why: &str) -> ! {
     eprintln!("{why}");
     eprintln!(
-        "usage: replay [--busy-us N] [--sync-every M] [--warm] [--costs] [--sim] [--interleave] \
+        "usage: replay [--busy-us N] [--sync-every M] [--warm] [--passes N] [--costs] [--sim] [--interleave] \
          [--map-run-pages N] [--no-trade] TRACE.csv[.gz] ..."
     );
     std::process::exit(2);
@@ -104,6 +107,10 @@ fn parse_args() -> Args {
             "--map-run-pages" => a.options.config.map_run_pages = number("--map-run-pages") as usize,
             "--no-trade" => a.options.config.trade_pages_on_map = false,
             "--warm" => a.options.warm = true,
+            "--passes" => match number("--passes") {
+                n @ 2.. => (a.options.warm, a.options.warm_passes) = (true, n as usize - 1),
+                _ => usage("--passes needs 2 or more"),
+            },
             "--costs" => a.costs = true,
             "--sim" => a.sim = true,
             "--interleave" => a.interleave = true,
@@ -186,6 +193,9 @@ fn main() {
     if o.warm {
         print_warm(&rows);
     }
+    if o.warm_passes > 1 {
+        print_later(&rows);
+    }
 }
 
 type Row = (String, Report, Duration, Option<Duration>);
@@ -250,5 +260,19 @@ fn print_warm(rows: &[Row]) {
             mib(r.peak_reserved),
             r.ratio()
         );
+    }
+}
+
+fn print_later(rows: &[Row]) {
+    println!();
+    println!("later passes (maps + unmaps ÷ peak reserved, then ns an event), from the third on");
+    for (name, r, _, _) in rows {
+        let pk = r.peak_reserved.max(1) as f64;
+        let passes: Vec<String> = r
+            .later
+            .iter()
+            .map(|p| format!("{:.3} ({:.0} ns)", (p.mapped_bytes + p.unmapped_bytes) as f64 / pk, p.ns_per_op()))
+            .collect();
+        println!("{:<28} {}", name, passes.join("  "));
     }
 }

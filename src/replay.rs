@@ -103,6 +103,10 @@ pub struct ReplayOptions {
     /// Play the trace a second time in the same pool, without trimming in between, and
     /// report that pass in [`Report::warm`].
     pub warm: bool,
+    /// With `warm`, the passes to play after the first (0 and 1 play one): the third and
+    /// later ones go to [`Report::later`]. A pool whose layout settles moves no pages in
+    /// them; one that does not keeps trading pages for as long as the trace repeats.
+    pub warm_passes: usize,
 }
 
 impl From<PoolConfig> for ReplayOptions {
@@ -156,7 +160,7 @@ pub struct Report {
     pub events: usize,
     /// The most bytes live at once (sum of requested sizes).
     pub peak_live: u64,
-    /// The most bytes the pool had mapped (over both passes with `warm`).
+    /// The most bytes the pool had mapped (over every pass with `warm`).
     pub peak_reserved: u64,
     /// Time spent in the allocations and frees (of the first pass).
     pub elapsed: Duration,
@@ -167,6 +171,8 @@ pub struct Report {
     pub cold: Pass,
     /// The second pass, with [`ReplayOptions::warm`].
     pub warm: Option<Pass>,
+    /// The third pass and those after it ([`ReplayOptions::warm_passes`]), in order.
+    pub later: Vec<Pass>,
     /// Where the mapped and unmapped bytes were counted.
     pub map_counts: MapCounts,
 }
@@ -230,17 +236,19 @@ fn run(trace: &Trace, device: &Arc<dyn Device>, options: &ReplayOptions, sim: Op
     }
     let player = Player { pool: &pool, device: &**device, streams: &streams, options, sim };
     let (cold, peak_live, left) = player.pass(trace)?;
-    let warm = if options.warm {
-        drop(left);
-        player.sync_all()?;
-        let (warm, _, left) = player.pass(trace)?;
-        drop(left);
-        Some(warm)
-    } else {
-        drop(left);
-        None
-    };
-    let last = warm.as_ref().unwrap_or(&cold);
+    drop(left);
+    let mut warm = Vec::new();
+    if options.warm {
+        for _ in 0..options.warm_passes.max(1) {
+            player.sync_all()?;
+            let (pass, _, left) = player.pass(trace)?;
+            drop(left);
+            warm.push(pass);
+        }
+    }
+    let mut warm = warm.into_iter();
+    let (warm, later) = (warm.next(), warm.collect::<Vec<_>>());
+    let last = later.last().or(warm.as_ref()).unwrap_or(&cold);
     let peak_reserved = last.stats.peak_reserved_bytes;
     pool.trim()?;
     pool.check()?;
@@ -255,6 +263,7 @@ fn run(trace: &Trace, device: &Arc<dyn Device>, options: &ReplayOptions, sim: Op
         stats: cold.stats,
         cold,
         warm,
+        later,
         map_counts: if sim.is_some() { MapCounts::Device } else { MapCounts::Pool },
     })
 }
@@ -375,5 +384,23 @@ mod tests {
         assert_eq!(r.peak_reserved, warm.stats.peak_reserved_bytes, "the peak covers both passes");
         assert_eq!(dev.committed_bytes(), 0, "trimmed at the end");
         assert_eq!(dev.mapped_bytes_total(), dev.unmapped_bytes_total());
+        assert!(r.later.is_empty(), "two passes unless asked for more");
+    }
+
+    #[test]
+    fn a_repeated_trace_that_fits_what_the_first_pass_mapped_maps_nothing_in_later_passes() {
+        let dev = SimDevice::new(1 << 30);
+        // One stream, blocks of a few pages and a small one, freed in the order they came:
+        // the same layout every pass.
+        let t =
+            Trace::parse("a,1,6291456,0\na,2,4096,0\na,3,3145728,0\nf,1,0,0\nf,3,0,0\nf,2,0,0\n".as_bytes()).unwrap();
+        let options = ReplayOptions { warm: true, warm_passes: 4, ..ReplayOptions::default() };
+        let r = replay_sim(&t, &dev, &options).unwrap();
+        assert!(r.warm.is_some());
+        assert_eq!(r.later.len(), 3, "passes three to five");
+        for (n, p) in r.warm.iter().chain(&r.later).enumerate() {
+            assert_eq!((p.events, p.mapped_bytes, p.unmapped_bytes), (6, 0, 0), "warm pass {}", n + 2);
+        }
+        assert_eq!(r.peak_reserved, r.later[2].stats.peak_reserved_bytes, "the peak covers every pass");
     }
 }
