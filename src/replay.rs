@@ -237,17 +237,18 @@ fn run(trace: &Trace, device: &Arc<dyn Device>, options: &ReplayOptions, sim: Op
     let player = Player { pool: &pool, device: &**device, streams: &streams, options, sim };
     let (cold, peak_live, left) = player.pass(trace)?;
     drop(left);
-    let mut warm = Vec::new();
-    if options.warm {
-        for _ in 0..options.warm_passes.max(1) {
-            player.sync_all()?;
-            let (pass, _, left) = player.pass(trace)?;
-            drop(left);
-            warm.push(pass);
+    let (mut warm, mut later) = (None, Vec::new());
+    let passes = if options.warm { options.warm_passes.max(1) } else { 0 };
+    for n in 0..passes {
+        player.sync_all()?;
+        let (pass, _, left) = player.pass(trace)?;
+        drop(left);
+        if n == 0 {
+            warm = Some(pass);
+        } else {
+            later.push(pass);
         }
     }
-    let mut warm = warm.into_iter();
-    let (warm, later) = (warm.next(), warm.collect::<Vec<_>>());
     let last = later.last().or(warm.as_ref()).unwrap_or(&cold);
     let peak_reserved = last.stats.peak_reserved_bytes;
     pool.trim()?;
