@@ -37,6 +37,7 @@ mod config;
 mod cross;
 mod dormant;
 mod giveback;
+mod judge;
 mod ladder;
 mod leaks;
 mod local;

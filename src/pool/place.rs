@@ -35,15 +35,16 @@
 //! a large block (at whole granules) rather than fail: at the limit the free memory is
 //! mostly the gaps between large blocks.
 //!
+//! Whether a run's freed memory may be taken by the stream is the judgement's question
+//! (module `judge`); this module asks it of the runs it walks and holds.
+//!
 //! A freed block goes back at once: a small one to its stream's arena (whole chunks beyond a
 //! few go back to the space), a large one (or a small one that no stream's chunk holds) to
 //! the space with its stream's fence on every granule. No event, no batch, no device call:
 //! frees inside host functions and thread-local destructors take this path too.
 
-use std::sync::Arc;
-
 use super::cheapest;
-use super::streams::Registry;
+use super::judge::Judge;
 use super::{PoolInner, StreamState};
 use crate::arena::pages::{Backing, Lent, Mapper};
 use crate::arena::{fence_parts, fence_word, Acquire, CHUNK, GRANULE};
@@ -51,7 +52,6 @@ use crate::error::{Error, OutOfMemory, Result};
 use crate::reclaim::Span;
 use crate::stats::Counters;
 use crate::sync::atomic::Ordering;
-use crate::sync::epoch;
 
 /// Wholly free chunks a stream's arena keeps; more go back to the space as they fall free.
 /// Two keep a stream that allocates and frees small blocks from taking and giving back a
@@ -88,147 +88,6 @@ pub(crate) struct Mode {
 
 impl Mode {
     pub(crate) const READY: Mode = Mode { reuse: Reuse::Ready, mapping: Mapping::Forbidden };
-}
-
-/// Judges the fences of the granules a placement looks at, for one stream and one mode, and
-/// remembers the device waits the placement would need.
-struct Judge<'a> {
-    pool: &'a PoolInner,
-    /// The stream placed for: its slot, and what it has already waited for on the device.
-    st: &'a StreamState,
-    reuse: Reuse,
-    reg: arc_swap::Guard<Arc<Registry>>,
-    /// The last fence word judged and the verdict (runs of granules share one).
-    memo: Option<(u64, bool)>,
-    /// (slot, seq) the placement must wait for, largest seq per slot.
-    waits: Vec<(u32, u64)>,
-    /// Whether a granule this stream freed itself was taken.
-    own: bool,
-    /// Whether a granule was taken because an earlier device wait of this stream covers it.
-    covered: bool,
-    /// The streams whose events this judgement polled, and covered where none was
-    /// outstanding ([`Judge::hurry`]).
-    hurried: Vec<u32>,
-}
-
-impl<'a> Judge<'a> {
-    fn new(pool: &'a PoolInner, st: &'a StreamState, reuse: Reuse) -> Judge<'a> {
-        Judge {
-            pool,
-            st,
-            reuse,
-            reg: pool.registry.load(),
-            memo: None,
-            waits: Vec::new(),
-            own: false,
-            covered: false,
-            hurried: Vec::new(),
-        }
-    }
-
-    /// Judge afresh every fence of `[addr, addr + len)`: true if all may be taken (the
-    /// device waits they need, if any, are then in `waits`).
-    fn accepts(&mut self, addr: u64, len: u64) -> bool {
-        self.waits.clear();
-        self.memo = None;
-        self.own = false;
-        self.covered = false;
-        let mut ok = true;
-        self.pool.space.fences(addr, len, |_, _, w| {
-            ok = self.fence_ok(w);
-            ok
-        });
-        ok
-    }
-
-    fn fence_ok(&mut self, word: u64) -> bool {
-        if let Some((w, ok)) = self.memo {
-            if w == word {
-                return ok;
-            }
-        }
-        let ok = self.judge(word);
-        self.memo = Some((word, ok));
-        ok
-    }
-
-    fn judge(&mut self, word: u64) -> bool {
-        let (slot, seq) = fence_parts(word);
-        if slot == 0 {
-            return true;
-        }
-        if slot == self.st.slot {
-            self.own = true;
-            return true;
-        }
-        if self.pool.config.break_event_guard_for_tests {
-            return true;
-        }
-        let Some(entry) = self.reg.slots.get(slot as usize - 1) else { return false };
-        if entry.fence.is_complete(seq) {
-            return true;
-        }
-        if self.st.waited.covers(slot, seq) {
-            // Stream order already puts this stream after that work: ready as its own is.
-            self.covered = true;
-            return true;
-        }
-        if self.hurry(slot, seq) {
-            return true;
-        }
-        if self.reuse != Reuse::Wait || !self.pool.config.cross_stream_waits {
-            return false;
-        }
-        match self.waits.iter_mut().find(|w| w.0 == slot) {
-            Some(w) => w.1 = w.1.max(seq),
-            None => self.waits.push((slot, seq)),
-        }
-        true
-    }
-
-    /// The first time this judgement meets an incomplete fence of stream `slot`: poll that
-    /// stream's events and, if none is outstanding, record one that covers its frees so far
-    /// (`PoolInner::covered_complete`, as the queue of multi-stream blocks does; `cover`
-    /// neither records on a stream being captured nor calls the device from a host
-    /// function). True if the fence `seq` is complete now. Frees are covered only every
-    /// 64 blocks or 64 MiB (`note_free`), so a stream that freed a few large blocks left
-    /// them refused to every other stream until its next batch: each placement's walk met
-    /// the same refused runs again (about 14 a claim in threads_streams' second pass) and
-    /// the ladder went on to device waits or page loans for memory that an event would have
-    /// freed. Asked once a judgement, each ask is one query and at most one record.
-    fn hurry(&mut self, slot: u32, seq: u64) -> bool {
-        if self.hurried.contains(&slot) {
-            return false;
-        }
-        self.hurried.push(slot);
-        let other = self.reg.slots.get(slot as usize - 1).and_then(|e| e.state.upgrade());
-        other.is_some_and(|other| self.pool.covered_complete(&other, seq, &epoch::pin()))
-    }
-
-    /// Make the stream wait on the device for every event the placement needs. False if
-    /// one cannot be had (the other stream is being captured, or a device call failed).
-    fn settle(&self) -> bool {
-        let st = self.st;
-        let guard = epoch::pin();
-        for &(slot, seq) in &self.waits {
-            let Some(entry) = self.reg.slots.get(slot as usize - 1) else { return false };
-            if st.waited.covers(slot, seq) {
-                // Another placement for this stream set up such a wait meanwhile.
-                continue;
-            }
-            let wait =
-                |n: u64, ev: &crate::device::Event| st.waited.wait(slot, n, || self.pool.device_wait(&st.stream, ev));
-            let Some(waited) = self.pool.wait_covering(&entry.stream, &entry.fence, seq, wait, &guard) else {
-                continue;
-            };
-            if !waited {
-                return false;
-            }
-            Counters::bump(&self.pool.counters.device_waits, 1);
-            tracing::debug!(stream = st.stream.id(), on_slot = slot, seq, "device wait");
-        }
-        true
-    }
 }
 
 /// What a placement for one stream does where its block lands on pages it cannot take as
@@ -404,8 +263,7 @@ impl PoolInner {
             if taken.take() == Some((addr, len)) {
                 return Ok(());
             }
-            judge.waits.clear();
-            judge.memo = None;
+            judge.start_over();
             // A lent page serves a block only by taking its memory back, which needs the page
             // it went to free and not wanted by the same block; without mapping, only mapped
             // pages (or those) will do.
