@@ -158,7 +158,7 @@ def child(args) -> int:
             c0 = backend.counters()
             sampler.reset()
             t0 = time.perf_counter()
-            r = vp_workloads.WORKLOADS[name](cfg, outputs)
+            r = vp_workloads.ALL[name](cfg, outputs)
             torch.cuda.synchronize()
             r["total_s"] = time.perf_counter() - t0
             c1 = backend.counters()
@@ -215,7 +215,7 @@ def dry_run(args) -> int:
     for _ in range(2):
         outputs: dict = {}
         for name in args.only:
-            r = vp_workloads.WORKLOADS[name](cfg, outputs)
+            r = vp_workloads.ALL[name](cfg, outputs)
             print(f"[cpu] {name}: {r['throughput']:.1f} {r['unit']} ({r['detail']})", flush=True)
         runs.append(outputs)
     per = compare(*runs)
@@ -475,7 +475,8 @@ def main() -> int:
     p.add_argument("--allocators", default="pytorch,vrampool", help="the driver's children, in order")
     p.add_argument("--hooks", choices=vp_alloc.HOOKS, default="cpp", help="how vrampool is wired in (vp_alloc.py)")
     p.add_argument("--quick", action="store_true", help="fewer batches, tokens and steps (the GPU test)")
-    p.add_argument("--only", default=",".join(vp_workloads.WORKLOADS), help="workloads, comma-separated")
+    p.add_argument("--only", default=",".join(vp_workloads.WORKLOADS),
+                   help="workloads, comma-separated; also " + ", ".join(vp_workloads.HELD_OUT))
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="folder for the outputs and figures (default: a new one under /tmp)")
@@ -487,9 +488,9 @@ def main() -> int:
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args()
     args.only = [w for w in args.only.split(",") if w]
-    unknown = [w for w in args.only if w not in vp_workloads.WORKLOADS]
+    unknown = [w for w in args.only if w not in vp_workloads.ALL]
     if unknown:
-        p.error(f"unknown workloads {unknown}; known: {list(vp_workloads.WORKLOADS)}")
+        p.error(f"unknown workloads {unknown}; known: {list(vp_workloads.ALL)}")
     args.allocators = [a for a in args.allocators.split(",") if a]
     if args.compare:
         return compare_files(*args.compare)

@@ -1,6 +1,8 @@
 """The models run under each allocator, with random weights and inputs from fixed seeds:
 ResNet-50 inference at varied batch sizes, GPT-2 generating tokens and a short training
-loop of a 4-layer GPT-2 with AdamW, each from 4 threads on 4 CUDA streams.
+loop of a 4-layer GPT-2 with AdamW, each from 4 threads on 4 CUDA streams. Three more, of
+the held-out traces' shapes (ViT-B/16 at varied batches, T5 and a mixture-of-experts
+decoder serving requests of varied size), run when named (``run.py --only``).
 
 Every output a workload produces goes into ``outputs`` (name -> CPU tensor) for the
 comparison between allocators. Weights are made on the CPU from the seed, so both
@@ -216,11 +218,115 @@ def gpt2_train(cfg, outputs: dict) -> dict:
             "detail": f"{threads} threads, 4 layers, batch {batch}x{seq}, {steps} AdamW steps"}
 
 
+def vit_varbatch(cfg, outputs: dict) -> dict:
+    """ViT-B/16 inference at varied batch sizes, each thread from its own starting point
+    (held out: the shape of `benches/traces/vit_varbatch`)."""
+    import torchvision
+
+    dev = cfg.device
+    dtype = torch.float16 if dev == "cuda" else torch.float32
+    torch.manual_seed(cfg.seed + 3)
+    model = torchvision.models.vit_b_16(weights=None).eval().to(device=dev, dtype=dtype)
+    sizes = [1, 8, 32] if cfg.quick else [1, 12, 48, 4, 32, 2, 64, 8, 24, 16]
+    threads = cfg.threads
+
+    def body(t, stream, barrier):
+        mine = sizes[t % len(sizes):] + sizes[: t % len(sizes)]
+        g = torch.Generator(device=dev)
+        g.manual_seed(cfg.seed * 1000 + 300 + t)
+        with torch.inference_mode():
+            model(torch.randn(2, 3, 224, 224, device=dev, dtype=dtype, generator=g))
+            stream.synchronize()
+            barrier.wait()
+            for i, bs in enumerate(mine):
+                y = model(torch.randn(bs, 3, 224, 224, device=dev, dtype=dtype, generator=g))
+                outputs[f"vit_varbatch/t{t}/b{i}_bs{bs}"] = y.float().cpu()
+        return sum(mine)
+
+    wall, images = run_threads(threads, body, dev)
+    return {"throughput": sum(images) / wall, "unit": "img/s", "wall_s": wall,
+            "detail": f"{threads} threads, batches {sizes}"}
+
+
+def serve_generations(cfg, outputs: dict, name: str, base, vocab: int, shapes: list) -> dict:
+    """Greedy generation from `threads` copies of `base` (made on the CPU, each moved to the
+    GPU on its thread's stream), every thread serving `shapes` (batch, prompt length, new
+    tokens) from its own starting point: requests of varied size at once."""
+    dev = cfg.device
+    threads = cfg.threads
+    copies = [copy.deepcopy(base) for _ in range(threads)]
+
+    def body(t, stream, barrier):
+        model = copies[t].to(dev)
+        copies[t] = None
+        mine = shapes[t % len(shapes):] + shapes[: t % len(shapes)]
+        g = torch.Generator(device=dev)
+        g.manual_seed(cfg.seed * 1000 + 400 + t)
+        tokens = 0
+        with torch.inference_mode():
+            warm = torch.randint(3, vocab, (1, 8), device=dev, generator=g)
+            model.generate(input_ids=warm, attention_mask=torch.ones_like(warm), max_new_tokens=2,
+                           min_new_tokens=2, do_sample=False, pad_token_id=0)
+            stream.synchronize()
+            barrier.wait()
+            for c, (bs, plen, new) in enumerate(mine):
+                ids = torch.randint(3, vocab, (bs, plen), device=dev, generator=g)
+                seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                     min_new_tokens=new, do_sample=False, pad_token_id=0)
+                outputs[f"{name}/t{t}/c{c}/tokens"] = seq.cpu()
+                tokens += bs * new
+        stream.synchronize()
+        del model
+        return tokens
+
+    wall, tokens = run_threads(threads, body, dev)
+    return {"throughput": sum(tokens) / wall, "unit": "tok/s", "wall_s": wall,
+            "detail": f"{threads} threads, requests (batch, prompt, new) {shapes}"}
+
+
+def t5_generate(cfg, outputs: dict) -> dict:
+    """An encoder-decoder: T5 (6+6 layers, 512 wide) greedy generation, requests of varied
+    batch and input length (held out: the shape of `benches/traces/t5_generate`)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    conf = T5Config(d_model=512, d_ff=2048, num_layers=6, num_decoder_layers=6, num_heads=8, vocab_size=32128,
+                    decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(cfg.seed + 4)
+    base = T5ForConditionalGeneration(conf).eval()
+    base.generation_config.decoder_start_token_id = 0
+    shapes = [(4, 64, 8), (1, 200, 16)] if cfg.quick else [(4, 200, 32), (1, 40, 48), (12, 96, 24), (8, 400, 16)]
+    return serve_generations(cfg, outputs, "t5_generate", base, conf.vocab_size, shapes)
+
+
+def moe_generate(cfg, outputs: dict) -> dict:
+    """A Mixtral-style mixture-of-experts decoder (8 layers, hidden 512, 8 experts, top 2)
+    greedy generation, requests of varied batch and prompt length: each step's experts see
+    a different number of tokens (held out: the shape of `benches/traces/moe_decode`)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    conf = MixtralConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+                         num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+                         max_position_embeddings=4096, pad_token_id=0)
+    torch.manual_seed(cfg.seed + 5)
+    base = MixtralForCausalLM(conf).eval()
+    shapes = [(2, 64, 8), (8, 32, 16)] if cfg.quick else [(2, 300, 32), (8, 64, 48), (16, 32, 24), (1, 500, 40)]
+    return serve_generations(cfg, outputs, "moe_generate", base, conf.vocab_size, shapes)
+
+
 WORKLOADS = {
     "resnet50": resnet50,
     "gpt2_generate": gpt2_generate,
     "gpt2_train": gpt2_train,
 }
+
+# Workloads of the held-out traces' shapes, run only when asked for (`run.py --only`): the
+# default set stays the three the README's figures were measured on.
+HELD_OUT = {
+    "vit_varbatch": vit_varbatch,
+    "t5_generate": t5_generate,
+    "moe_generate": moe_generate,
+}
+ALL = {**WORKLOADS, **HELD_OUT}
 
 # How outputs are compared (see compare() in run.py): bit for bit is expected, since every
 # kernel here is deterministic (cuDNN deterministic with its heuristics' choice, cuBLAS
@@ -235,4 +341,7 @@ TOLERANCE = {
     "resnet50": (1e-2, 1e-1),  # fp16 logits, |y| up to ~100 (ulp 0.06)
     "gpt2_generate": (1e-4, 1e-4),
     "gpt2_train": (1e-3, 1e-3),
+    "vit_varbatch": (1e-2, 1e-1),  # fp16 logits, as resnet50's
+    "t5_generate": (1e-4, 1e-4),  # tokens only: compared exactly
+    "moe_generate": (1e-4, 1e-4),
 }
