@@ -141,9 +141,12 @@ impl<'a> Judge<'a> {
     /// them refused to every other stream until its next batch: each placement's walk met
     /// the same refused runs again (about 14 a claim in threads_streams' second pass) and
     /// the ladder went on to device waits or page loans for memory that an event would have
-    /// freed. Asked once a judgement, each ask is one query and at most one record.
+    /// freed. Asked once a judgement, each ask is one query and at most one record. Not
+    /// asked while records are slow (`PoolInner::events_contended`): with 16 threads on a
+    /// GPU launching kernels and mapping pages, a record waited about 400 µs behind them,
+    /// and the hurries' records took a quarter of the workers' time.
     pub(super) fn hurry(&mut self, slot: u32, seq: u64) -> bool {
-        if self.hurried.contains(&slot) {
+        if self.hurried.contains(&slot) || self.pool.events_contended() {
             return false;
         }
         self.hurried.push(slot);

@@ -141,6 +141,9 @@ pub(crate) struct PoolInner {
     pub(crate) shed_peak: AtomicU64,
     /// The bound on dormant pages (module `dormant`).
     pub(crate) dormant: dormant::Dormant,
+    /// What recording an event has cost lately, a moving average in nanoseconds
+    /// ([`PoolInner::events_contended`]).
+    pub(crate) event_cost: AtomicU64,
     pages: CachePadded<PageMap>,
     /// The bound on every cache together.
     pub(crate) cache_budget: crate::sync::Arc<Budget>,
@@ -263,6 +266,7 @@ impl Pool {
             deferred_cross: crate::reclaim::Stack::new(),
             counters: CachePadded::new(Counters::default()),
             shed_peak: AtomicU64::new(0),
+            event_cost: AtomicU64::new(0),
             dormant: dormant::Dormant::default(),
             sites,
             recorder,

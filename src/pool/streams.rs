@@ -33,6 +33,15 @@ const EVENT_EVERY_BLOCKS: u64 = 64;
 /// after (an unmap needs their fences complete).
 const EVENT_EVERY_BYTES: u64 = 64 << 20;
 
+/// Above this average cost of recording an event (creating it, from the spares, and the
+/// record), event calls are taken to be waiting behind other threads' calls into the driver,
+/// and placements stop recording events on other streams to hurry their memory
+/// (`judge::Judge::hurry`). A record costs about 0.5 µs on an idle H200 and a few µs under
+/// PyTorch's four threads; in the 16-worker demo on an H100, where workers launch kernels
+/// and map pages at once, about 400 µs, and the hurries' records took 43 s of the workers'
+/// 160 s (`docs/BENCHMARKS.md`, thirty-fourth session).
+pub(crate) const EVENTS_CONTENDED_NS: u64 = 50_000;
+
 /// What the pool knows of one stream.
 pub(crate) struct StreamState {
     pub(crate) stream: Stream,
@@ -278,13 +287,34 @@ impl PoolInner {
         self.me.upgrade()?.stream_state(stream).ok()
     }
 
-    /// A new event recorded on `stream` now (its time counted in `Stats::event_ns`).
+    /// A new event recorded on `stream` now (its time counted in `Stats::event_ns`, and in
+    /// the average [`PoolInner::events_contended`] reads).
     pub(crate) fn event_on(&self, stream: &Stream) -> Result<Event> {
-        Counters::timed(&self.counters.event_ns, || {
+        // `Instant`, not the statistics' ticks: a decision reads this (`crate::clock`).
+        let start = std::time::Instant::now();
+        let ev = Counters::timed(&self.counters.event_ns, || {
             let ev = self.device.create_event()?;
             self.device.record_event(&ev, stream)?;
             Ok(ev)
-        })
+        });
+        // A moving average over about the last 16 records, each counted as at most four
+        // times the threshold: a thread descheduled in the middle of one record (a loaded
+        // machine, the simulator on two cores) moves it by a sixteenth of that, and only
+        // records slow one after another close the gate. Racing updates may lose a sample,
+        // which an average does not need.
+        let took = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX).min(4 * EVENTS_CONTENDED_NS);
+        let avg = self.event_cost.load(Ordering::Relaxed);
+        self.event_cost.store(avg - avg / 16 + took / 16, Ordering::Relaxed);
+        ev
+    }
+
+    /// Whether recording an event has lately cost more than [`EVENTS_CONTENDED_NS`]: the
+    /// driver is busy with other threads' calls, and a record that only hurries memory
+    /// along would wait behind them. Records the pool needs (a free's cadence, a device
+    /// wait, a block used on several streams) are made all the same, and keep the average
+    /// current, so hurries resume once records are cheap again.
+    pub(crate) fn events_contended(&self) -> bool {
+        self.event_cost.load(Ordering::Relaxed) > EVENTS_CONTENDED_NS
     }
 
     /// Whether `event` is complete (a failed query reads as not complete; counted in
@@ -380,6 +410,27 @@ impl PoolInner {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use crate::device::SimCosts;
+    use crate::{Pool, PoolConfig, SimDevice};
+
+    /// A pool whose device records an event in `record` (the simulator spends it in the
+    /// call), after `n` records on one stream.
+    fn after_records(record: std::time::Duration, n: usize) -> Pool {
+        let dev = SimDevice::builder(1 << 30).costs(SimCosts { event_record: record, ..SimCosts::NONE }).build();
+        let pool = Pool::new(dev.clone(), PoolConfig::default()).unwrap();
+        let stream = dev.new_stream().unwrap();
+        for _ in 0..n {
+            pool.inner.event_on(&stream).unwrap();
+        }
+        pool
+    }
+
+    #[test]
+    fn slow_records_one_after_another_stop_the_hurries_and_cheap_ones_do_not() {
+        assert!(!after_records(std::time::Duration::from_micros(300), 0).inner.events_contended());
+        assert!(after_records(std::time::Duration::from_micros(300), 32).inner.events_contended());
+        assert!(!after_records(std::time::Duration::ZERO, 32).inner.events_contended());
+    }
 
     #[test]
     fn a_slot_list_finds_every_entry_across_its_chunks() {
