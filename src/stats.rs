@@ -64,6 +64,10 @@ pub struct Stats {
     /// Events recorded: when another stream needed a stream's fences resolved, at stream
     /// destruction, and one per stream for `record_stream` blocks.
     pub events_recorded: u64,
+    /// Events a placement did not record on another stream to hurry memory freed there,
+    /// because the pool's event records had lately been slow (the driver busy with other
+    /// threads' calls; see `IMPLEMENTATION.md`, "Hurries wait when records are slow").
+    pub hurries_skipped: u64,
     /// Batches of `record_stream` blocks whose events were seen complete and whose blocks
     /// went back to the arena.
     pub batches_retired: u64,
@@ -172,6 +176,7 @@ pub(crate) struct Counters {
     pub same_stream_reuses: AtomicU64,
     pub covered_reuses: AtomicU64,
     pub events_recorded: AtomicU64,
+    pub hurries_skipped: AtomicU64,
     pub batches_retired: AtomicU64,
     pub device_waits: AtomicU64,
     pub mapped: AtomicU64,

@@ -50,10 +50,12 @@ pub fn tier_table(s: &Stats) -> String {
         (
             "T2 retiring",
             format!(
-                "{} now (record_stream blocks), {} batches retired, {} events recorded",
+                "{} now (record_stream blocks), {} batches retired, {} events recorded ({} hurries \
+                 skipped while records were slow)",
                 mib(s.retiring_bytes),
                 s.batches_retired,
-                s.events_recorded
+                s.events_recorded,
+                s.hurries_skipped
             ),
         ),
         (

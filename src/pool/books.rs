@@ -135,6 +135,7 @@ impl PoolInner {
             thread_caches: caches.len() as u64,
             same_stream_reuses: Counters::get(&c.same_stream_reuses),
             covered_reuses: Counters::get(&c.covered_reuses),
+            hurries_skipped: Counters::get(&c.hurries_skipped),
             events_recorded: Counters::get(&c.events_recorded),
             batches_retired: Counters::get(&c.batches_retired),
             device_waits: Counters::get(&c.device_waits),

@@ -146,10 +146,14 @@ impl<'a> Judge<'a> {
     /// GPU launching kernels and mapping pages, a record waited about 400 µs behind them,
     /// and the hurries' records took a quarter of the workers' time.
     pub(super) fn hurry(&mut self, slot: u32, seq: u64) -> bool {
-        if self.hurried.contains(&slot) || self.pool.events_contended() {
+        if self.hurried.contains(&slot) {
             return false;
         }
         self.hurried.push(slot);
+        if self.pool.events_contended() {
+            Counters::bump(&self.pool.counters.hurries_skipped, 1);
+            return false;
+        }
         let other = self.reg.slots.get(slot as usize - 1).and_then(|e| e.state.upgrade());
         other.is_some_and(|other| self.pool.covered_complete(&other, seq, &epoch::pin()))
     }
