@@ -64,9 +64,11 @@ pub struct Stats {
     /// Events recorded: when another stream needed a stream's fences resolved, at stream
     /// destruction, and one per stream for `record_stream` blocks.
     pub events_recorded: u64,
-    /// Events a placement did not record on another stream to hurry memory freed there,
-    /// because the pool's event records had lately been slow (the driver busy with other
-    /// threads' calls; see `IMPLEMENTATION.md`, "Hurries wait when records are slow").
+    /// Times a placement met another stream's incomplete fence and left that stream alone
+    /// (no poll, no event recorded to hurry its memory), because the pool's event records
+    /// had lately been slow: the driver busy with other threads' calls (`IMPLEMENTATION.md`,
+    /// "Hurries wait when records are slow"). Counted once per stream a placement meets, so
+    /// it runs well above the records it saved.
     pub hurries_skipped: u64,
     /// Batches of `record_stream` blocks whose events were seen complete and whose blocks
     /// went back to the arena.

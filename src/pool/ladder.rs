@@ -13,7 +13,8 @@
 //!    event is complete, and memory an earlier device wait of this stream already covers
 //!    (stream order again: `crate::reclaim::waited`). A stream whose incomplete fence the
 //!    placement meets gets an event recorded if none is outstanding, so that the memory it
-//!    freed is ready soon (module `judge`, `Judge::hurry`).
+//!    freed is ready soon, unless the pool's records have lately been slow (module `judge`,
+//!    `Judge::hurry`).
 //! 2. **Settle**: poll every stream's events and the queue of blocks used on several
 //!    streams; try again.
 //! 3. **This stream's caches**: this thread's cache for the stream and the stream's depots
