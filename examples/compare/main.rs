@@ -12,6 +12,10 @@
 //! - **vrampool C ABI**: `vrampool_malloc`/`vrampool_free` on the registry's pool of GPU 0
 //!   with the thread's `CUstream` handle, as a C or PyTorch caller sees vrampool (hot pair
 //!   and random window only).
+//! - **RMM pool** and **RMM arena** (with `--rmm librmm_shim.so`, module `rmm`): RAPIDS
+//!   RMM's `pool_memory_resource` (starting empty) and `arena_memory_resource` (RMM's default
+//!   size: half the free memory, taken up front), each over `cudaMalloc`, allocating and
+//!   freeing on the worker's stream. Created before each workload's clock starts.
 //!
 //! Workloads: the hot pair (1 MiB, one thread, best of 3), the random window (1, 4 and 16
 //! threads, each its own stream, 64 live blocks, sizes log-uniform 256 B – 4 MiB drawn before
@@ -22,7 +26,7 @@
 //! `--quick` runs every measurement 10× shorter.
 //!
 //! ```text
-//! cargo run --release --example compare [-- --quick] [--map-run-pages N] [--trace FILE.csv[.gz] ...]
+//! cargo run --release --example compare [-- --quick] [--map-run-pages N] [--rmm librmm_shim.so] [--trace FILE.csv[.gz] ...]
 //! ```
 //!
 //! Without a GPU it says so and exits 0. A failing driver call is printed and exits 1. The
@@ -145,6 +149,8 @@ use sizes::Rng;
 
 mod workers;
 use workers::{Bf, CAbi, CuAsync, CuMem, Vram, Worker};
+mod rmm;
+use rmm::Kind;
 
 // ---------------------------------------------------------------------------------------
 // Workloads.
@@ -367,6 +373,11 @@ fn destroy_seen_stream(dev: &CudaDevice, s: &Stream) {
     or_die("destroy a stream", dev.destroy_stream(s));
 }
 
+/// The RMM resources to measure, with the library: none without `--rmm`.
+fn rmm_kinds(lib: &Option<rmm::Lib>) -> impl Iterator<Item = (&rmm::Lib, Kind)> {
+    lib.iter().flat_map(|l| Kind::ALL.into_iter().map(move |k| (l, k)))
+}
+
 fn versus(ns: f64, vram_ns: f64) -> String {
     if !(ns.is_finite() && vram_ns.is_finite() && ns > 0.0 && vram_ns > 0.0) {
         return "—".into();
@@ -432,17 +443,19 @@ fn main() {
     let mut config = PoolConfig::default();
     let usage = || -> ! {
         eprintln!(
-            "usage: compare [--quick] [--map-run-pages N (1 to {})] [--trace FILE.csv[.gz] ...]",
+            "usage: compare [--quick] [--map-run-pages N (1 to {})] [--rmm librmm_shim.so] [--trace FILE.csv[.gz] ...]",
             PoolConfig::MAX_MAP_RUN_PAGES
         );
         std::process::exit(2);
     };
     let mut given: Vec<String> = Vec::new();
+    let mut rmm_path: Option<String> = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--quick" => quick = true,
             "--trace" => given.push(args.next().unwrap_or_else(|| usage())),
+            "--rmm" => rmm_path = Some(args.next().unwrap_or_else(|| usage())),
             "--map-run-pages" => match args.next().and_then(|v| v.parse::<usize>().ok()) {
                 Some(n) if (1..=PoolConfig::MAX_MAP_RUN_PAGES).contains(&n) => config.map_run_pages = n,
                 _ => usage(),
@@ -461,6 +474,7 @@ fn main() {
         die(&e);
     }
     or_die("bind the primary context", dev.bind_context());
+    let rmm_lib = rmm_path.as_deref().map(|p| rmm::Lib::load(p).unwrap_or_else(|e| die(&e)));
     let mut driver = 0i32;
     // SAFETY: writes one int.
     ck("cuDriverGetVersion", unsafe { sys::cuDriverGetVersion(&mut driver) });
@@ -532,12 +546,20 @@ fn main() {
         let f = hot(&mut CAbi::new(&dev, &hot_stream), hot_dur);
         [v, c, a, b, f]
     };
+    // RMM's: each resource made before its clock starts and deleted before the stream goes.
+    let rmm_hot: Vec<(&str, (f64, u64))> = rmm_kinds(&rmm_lib)
+        .map(|(lib, k)| {
+            let res = lib.resource(k);
+            (k.name(), hot(&mut rmm::Rmm::new(&res, &dev, &hot_stream), hot_dur))
+        })
+        .collect();
     pool.flush_thread_cache();
     empty_c_abi();
     destroy_seen_stream(&dev, &hot_stream);
-    for (i, &(ns, pairs)) in hot_results.iter().enumerate() {
+    let named_hot = NAMES.iter().copied().zip(hot_results.iter().copied()).chain(rmm_hot);
+    for (i, (name, (ns, pairs))) in named_hot.enumerate() {
         let vs = if i == 0 { "—".to_string() } else { versus(ns, hot_results[0].0) };
-        println!("{:<24} {:>7} {:>12} {:>11.3} {:>10}  {vs}", NAMES[i], 1, ns_text(ns), 1e3 / ns, pairs);
+        println!("{name:<24} {:>7} {:>12} {:>11.3} {:>10}  {vs}", 1, ns_text(ns), 1e3 / ns, pairs);
     }
     let cu_hot_ns = hot_results[1].0;
 
@@ -553,6 +575,8 @@ fn main() {
     let streams: Vec<Stream> =
         (0..THREADS[THREADS.len() - 1]).map(|_| or_die("create a stream", dev.create_stream())).collect();
     let mut vram_runs = Vec::new();
+    // RMM's resources serve every window run, as vrampool's one pool does.
+    let rmm_win: Vec<rmm::Resource> = rmm_kinds(&rmm_lib).map(|(lib, k)| lib.resource(k)).collect();
     for &t in &THREADS {
         let before = pool.stats();
         let vr = window(&dev, &streams, t, win_dur, |s| Vram {
@@ -568,16 +592,15 @@ fn main() {
             window(&dev, &streams, t, win_dur, |_| Bf { bf: &bf, high: 0 }),
             window(&dev, &streams, t, win_dur, |s| CAbi::new(&dev, s)),
         ];
-        for (i, r) in runs.iter().enumerate() {
+        let rmm_runs: Vec<(&str, Run)> = rmm_win
+            .iter()
+            .zip(Kind::ALL)
+            .map(|(res, k)| (k.name(), window(&dev, &streams, t, win_dur, |s| rmm::Rmm::new(res, &dev, s))))
+            .collect();
+        let named = NAMES.iter().copied().zip(runs.iter()).chain(rmm_runs.iter().map(|(n, r)| (*n, r)));
+        for (i, (name, r)) in named.enumerate() {
             let vs = if i == 0 { "—".to_string() } else { versus(r.ns(), runs[0].ns()) };
-            println!(
-                "{:<24} {:>7} {:>12} {:>11.3} {:>10}  {vs}",
-                NAMES[i],
-                r.threads,
-                ns_text(r.ns()),
-                r.mps(),
-                r.pairs
-            );
+            println!("{name:<24} {:>7} {:>12} {:>11.3} {:>10}  {vs}", r.threads, ns_text(r.ns()), r.mps(), r.pairs);
         }
         let d = |f: fn(&Stats) -> u64| f(&after).saturating_sub(f(&before));
         let allocs = d(|s| s.allocs).max(1);
@@ -605,6 +628,14 @@ fn main() {
             one.mps()
         );
     }
+    for (res, k) in rmm_win.iter().zip(Kind::ALL) {
+        println!(
+            "{} after the window runs: peak reserved {:.0} MiB",
+            k.name(),
+            res.peak_reserved() as f64 / MIB as f64
+        );
+    }
+    drop(rmm_win);
     empty_c_abi();
     for s in &streams {
         destroy_seen_stream(&dev, s);
@@ -625,7 +656,8 @@ fn main() {
         "   is timed; best-fit's range was allocated beforehand; cuMemAlloc is cut after {:.0} s",
         cu_cap.as_secs_f64()
     );
-    println!("   reserved ÷ live: vrampool peak mapped, cuMemAllocAsync the pool's RESERVED_MEM_HIGH,");
+    println!("   reserved ÷ live: vrampool peak mapped, cuMemAllocAsync the pool's RESERVED_MEM_HIGH, RMM its");
+    println!("   peak of bytes taken from cudaMalloc (the arena takes half the free memory up front),");
     println!("   best-fit the highest address used in its one range (no segments); live = sum of sizes asked");
     println!(
         "{:<20} {:<24} {:>8} {:>12}  {:<15} {:>10} {:>13} {:>9}",
@@ -694,6 +726,23 @@ fn main() {
         mempool.trim();
         let ns = took.as_nanos() as f64 / done.max(1) as f64;
         row(NAMES[2], done.to_string(), ns, versus(ns, vram_ns), Some(high));
+
+        // RMM's, one stream per trace stream, a fresh resource each (made before the clock).
+        for (lib, k) in rmm_kinds(&rmm_lib) {
+            let tstreams: Vec<Stream> =
+                (0..lanes.len()).map(|_| or_die("create a stream", dev.create_stream())).collect();
+            let res = lib.resource(k);
+            let mut workers: Vec<rmm::Rmm> = tstreams.iter().map(|s| rmm::Rmm::new(&res, &dev, s)).collect();
+            let (done, took) = replay_raw(trace, &mut workers, &lanes, Duration::from_secs(600));
+            drop(workers);
+            let peak = res.peak_reserved();
+            drop(res);
+            for s in &tstreams {
+                or_die("destroy a stream", dev.destroy_stream(s));
+            }
+            let ns = took.as_nanos() as f64 / done.max(1) as f64;
+            row(k.name(), done.to_string(), ns, versus(ns, vram_ns), Some(peak));
+        }
 
         // Best-fit over its range, where the trace fits it with room to fragment (a trace
         // recorded from a whole program may peak far above the shared ones).
