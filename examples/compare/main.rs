@@ -23,10 +23,12 @@
 //! (as `PoolConfig::record_trace` or `VRAMPOOL_RECORD_TRACE` write them: your own workload). Each measurement runs for a fixed time
 //! (the iteration count follows from it), so every allocator gets ~0.4–0.8 s however slow
 //! it is, after a warm-up of the same length for all (the window: half the measured time);
-//! `--quick` runs every measurement 10× shorter.
+//! `--quick` runs every measurement 10× shorter. `--warm` plays each trace a second time
+//! in the same allocator (nothing trimmed in between: a server's next step) and times that
+//! pass too, as `replay --warm` does for vrampool alone.
 //!
 //! ```text
-//! cargo run --release --example compare [-- --quick] [--map-run-pages N] [--rmm librmm_shim.so] [--trace FILE.csv[.gz] ...]
+//! cargo run --release --example compare [-- --quick] [--warm] [--map-run-pages N] [--rmm librmm_shim.so] [--trace FILE.csv[.gz] ...]
 //! ```
 //!
 //! Without a GPU it says so and exits 0. A failing driver call is printed and exits 1. The
@@ -48,7 +50,7 @@ use bestfit::BestFit;
 use cudarc::driver::sys;
 use vrampool::ffi::{vrampool_empty_cache, vrampool_last_error, vrampool_stream_destroyed};
 use vrampool::registry::{self, Config, DeviceChoice};
-use vrampool::replay::{replay, Report, Trace};
+use vrampool::replay::{replay_with, ReplayOptions, Report, Trace};
 use vrampool::{CudaDevice, Device, Pool, PoolConfig, Stats, Stream};
 
 const MIB: u64 = 1 << 20;
@@ -373,6 +375,11 @@ fn destroy_seen_stream(dev: &CudaDevice, s: &Stream) {
     or_die("destroy a stream", dev.destroy_stream(s));
 }
 
+/// Nanoseconds per event of a `replay_raw` pass.
+fn per_event((done, took): (usize, Duration)) -> f64 {
+    took.as_nanos() as f64 / done.max(1) as f64
+}
+
 /// The RMM resources to measure, with the library: none without `--rmm`.
 fn rmm_kinds(lib: &Option<rmm::Lib>) -> impl Iterator<Item = (&rmm::Lib, Kind)> {
     lib.iter().flat_map(|l| Kind::ALL.into_iter().map(move |k| (l, k)))
@@ -440,10 +447,11 @@ fn load_trace(name: &str) -> Option<Trace> {
 
 fn main() {
     let mut quick = false;
+    let mut warm = false;
     let mut config = PoolConfig::default();
     let usage = || -> ! {
         eprintln!(
-            "usage: compare [--quick] [--map-run-pages N (1 to {})] [--rmm librmm_shim.so] [--trace FILE.csv[.gz] ...]",
+            "usage: compare [--quick] [--warm] [--map-run-pages N (1 to {})] [--rmm librmm_shim.so] [--trace FILE.csv[.gz] ...]",
             PoolConfig::MAX_MAP_RUN_PAGES
         );
         std::process::exit(2);
@@ -454,6 +462,7 @@ fn main() {
     while let Some(a) = args.next() {
         match a.as_str() {
             "--quick" => quick = true,
+            "--warm" => warm = true,
             "--trace" => given.push(args.next().unwrap_or_else(|| usage())),
             "--rmm" => rmm_path = Some(args.next().unwrap_or_else(|| usage())),
             "--map-run-pages" => match args.next().and_then(|v| v.parse::<usize>().ok()) {
@@ -648,7 +657,10 @@ fn main() {
     // ---- trace replay
     println!();
     let from = if given.is_empty() { "benches/traces" } else { "--trace" };
-    println!("== trace replay ({from}; time per event, alloc or free, one pass) ==");
+    println!(
+        "== trace replay ({from}; time per event, alloc or free, {}) ==",
+        if warm { "a cold pass, then a warm one in the same allocator" } else { "one pass" }
+    );
     println!(
         "   vrampool (fresh pool) and cuMemAllocAsync (pool trimmed to 0) start with nothing mapped: their growth"
     );
@@ -660,8 +672,17 @@ fn main() {
     println!("   peak of bytes taken from cudaMalloc (the arena takes half the free memory up front),");
     println!("   best-fit the highest address used in its one range (no segments); live = sum of sizes asked");
     println!(
-        "{:<20} {:<24} {:>8} {:>12}  {:<15} {:>10} {:>13} {:>9}",
-        "trace", "allocator", "events", "ns/event", "vs vrampool", "peak live", "peak reserved", "res÷live"
+        "{:<20} {:<24} {:>8} {:>12}  {:<15} {:>10} {:>13} {:>9} {:>12}  {:<15}",
+        "trace",
+        "allocator",
+        "events",
+        "ns/event",
+        "vs vrampool",
+        "peak live",
+        "peak reserved",
+        "res÷live",
+        "warm ns/ev",
+        "warm vs vrampool"
     );
     let adev: Arc<dyn Device> = Arc::new(dev.clone());
     let mut replay_stats: Vec<(&str, Report)> = Vec::new();
@@ -669,17 +690,25 @@ fn main() {
         let name = name.as_str();
         let peak_live = trace.peak_live();
         let mib = |b: u64| format!("{:.1} MiB", b as f64 / MIB as f64);
-        let row = |alloc: &str, events: String, ns: f64, vs: String, reserved: Option<u64>| {
+        // The warm pass's figure, and vrampool's to compare it with (None: not measured).
+        let vram_warm = std::cell::Cell::new(None::<f64>);
+        let row = |alloc: &str, events: String, ns: f64, vs: String, reserved: Option<u64>, warm_ns: Option<f64>| {
             let (res, ratio) = match reserved {
                 Some(r) => (mib(r), format!("{:.3}", r as f64 / peak_live.max(1) as f64)),
                 None => ("—".to_string(), "—".to_string()),
             };
+            let (w, wvs) = match (warm_ns, vram_warm.get()) {
+                (Some(w), Some(v)) if alloc != NAMES[0] => (ns_text(w), versus(w, v)),
+                (Some(w), _) => (ns_text(w), "—".to_string()),
+                (None, _) => ("—".to_string(), String::new()),
+            };
             println!(
-                "{name:<20} {alloc:<24} {events:>8} {:>12}  {vs:<15} {:>10} {res:>13} {ratio:>9}",
+                "{name:<20} {alloc:<24} {events:>8} {:>12}  {vs:<15} {:>10} {res:>13} {ratio:>9} {w:>12}  {wvs}",
                 ns_text(ns),
                 mib(peak_live)
             );
         };
+
         let mut lanes: HashMap<u32, usize> = HashMap::new();
         for op in &trace.ops {
             let n = lanes.len();
@@ -688,9 +717,11 @@ fn main() {
         let one_lane: HashMap<u32, usize> = lanes.keys().map(|&k| (k, 0)).collect();
 
         // vrampool, through the library's replay.
-        let r = or_die("vrampool replay", replay(trace, &adev, config.clone()));
-        let vram_ns = r.ns_per_op();
-        row(NAMES[0], r.events.to_string(), vram_ns, "—".into(), Some(r.peak_reserved));
+        let options = ReplayOptions { config: config.clone(), warm, ..ReplayOptions::default() };
+        let r = or_die("vrampool replay", replay_with(trace, &adev, &options));
+        let vram_ns = r.cold.ns_per_op();
+        vram_warm.set(r.warm.as_ref().map(|p| p.ns_per_op()));
+        row(NAMES[0], r.events.to_string(), vram_ns, "—".into(), Some(r.peak_reserved), vram_warm.get());
 
         // cuMemAlloc, unless the hot-pair figure says it would take too long.
         let allocs = trace.ops.iter().filter(|o| o.alloc).count();
@@ -706,7 +737,7 @@ fn main() {
             let (done, took) = replay_raw(trace, &mut [CuMem], &one_lane, cu_cap);
             let ns = took.as_nanos() as f64 / done.max(1) as f64;
             let events = if done < trace.ops.len() { format!("{done}*") } else { done.to_string() };
-            row(NAMES[1], events, ns, versus(ns, vram_ns), None);
+            row(NAMES[1], events, ns, versus(ns, vram_ns), None, None);
             if done < trace.ops.len() {
                 println!("{:<16} * stopped after {:.1} s", "", cu_cap.as_secs_f64());
             }
@@ -718,6 +749,7 @@ fn main() {
         mempool.set(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, 0);
         let mut workers: Vec<CuAsync> = tstreams.iter().map(|s| CuAsync::new(&dev, s)).collect();
         let (done, took) = replay_raw(trace, &mut workers, &lanes, Duration::from_secs(600));
+        let warm_ns = warm.then(|| per_event(replay_raw(trace, &mut workers, &lanes, Duration::from_secs(600))));
         let high = mempool.get(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH);
         drop(workers);
         for s in &tstreams {
@@ -725,7 +757,7 @@ fn main() {
         }
         mempool.trim();
         let ns = took.as_nanos() as f64 / done.max(1) as f64;
-        row(NAMES[2], done.to_string(), ns, versus(ns, vram_ns), Some(high));
+        row(NAMES[2], done.to_string(), ns, versus(ns, vram_ns), Some(high), warm_ns);
 
         // RMM's, one stream per trace stream, a fresh resource each (made before the clock).
         for (lib, k) in rmm_kinds(&rmm_lib) {
@@ -734,6 +766,7 @@ fn main() {
             let res = lib.resource(k);
             let mut workers: Vec<rmm::Rmm> = tstreams.iter().map(|s| rmm::Rmm::new(&res, &dev, s)).collect();
             let (done, took) = replay_raw(trace, &mut workers, &lanes, Duration::from_secs(600));
+            let warm_ns = warm.then(|| per_event(replay_raw(trace, &mut workers, &lanes, Duration::from_secs(600))));
             drop(workers);
             let peak = res.peak_reserved();
             drop(res);
@@ -741,7 +774,7 @@ fn main() {
                 or_die("destroy a stream", dev.destroy_stream(s));
             }
             let ns = took.as_nanos() as f64 / done.max(1) as f64;
-            row(k.name(), done.to_string(), ns, versus(ns, vram_ns), Some(peak));
+            row(k.name(), done.to_string(), ns, versus(ns, vram_ns), Some(peak), warm_ns);
         }
 
         // Best-fit over its range, where the trace fits it with room to fragment (a trace
@@ -755,8 +788,9 @@ fn main() {
         } else {
             let mut w = [Bf { bf: &bf, high: bf_base }];
             let (done, took) = replay_raw(trace, &mut w, &one_lane, Duration::from_secs(600));
+            let warm_ns = warm.then(|| per_event(replay_raw(trace, &mut w, &one_lane, Duration::from_secs(600))));
             let ns = took.as_nanos() as f64 / done.max(1) as f64;
-            row(NAMES[3], done.to_string(), ns, versus(ns, vram_ns), Some(w[0].high - bf_base));
+            row(NAMES[3], done.to_string(), ns, versus(ns, vram_ns), Some(w[0].high - bf_base), warm_ns);
         }
         if let Some(ratio) = pytorch {
             println!(
