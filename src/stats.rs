@@ -70,6 +70,9 @@ pub struct Stats {
     /// "Hurries wait when records are slow"). Counted once per stream a placement meets, so
     /// it runs well above the records it saved.
     pub hurries_skipped: u64,
+    /// Events asked whether they are complete (polls of the streams' fences). On a GPU each
+    /// is a `cuEventQuery`, which the driver serialises across threads.
+    pub events_queried: u64,
     /// Batches of `record_stream` blocks whose events were seen complete and whose blocks
     /// went back to the arena.
     pub batches_retired: u64,
@@ -113,6 +116,9 @@ pub struct Stats {
     /// fence frees, polling them), device waits, and the capture checks of a miss and before
     /// events, wherever they were made: in `ladder_ns`, `release_ns` or outside both.
     pub event_ns: u64,
+    /// Nanoseconds of `event_ns` spent asking events whether they are complete
+    /// (`events_queried` of them).
+    pub query_ns: u64,
     /// Bytes mapped over the pool's life (loans included: memory mapped at a second address).
     pub mapped_bytes: u64,
     /// Runs of free pages whose memory went to pages a request landed on, instead of new
@@ -179,6 +185,7 @@ pub(crate) struct Counters {
     pub covered_reuses: AtomicU64,
     pub events_recorded: AtomicU64,
     pub hurries_skipped: AtomicU64,
+    pub events_queried: AtomicU64,
     pub batches_retired: AtomicU64,
     pub device_waits: AtomicU64,
     pub mapped: AtomicU64,
@@ -196,6 +203,7 @@ pub(crate) struct Counters {
     pub map_ns: AtomicU64,
     pub unmap_ns: AtomicU64,
     pub event_ns: AtomicU64,
+    pub query_ns: AtomicU64,
 }
 
 impl Counters {

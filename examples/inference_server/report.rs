@@ -51,11 +51,13 @@ pub fn tier_table(s: &Stats) -> String {
             "T2 retiring",
             format!(
                 "{} now (record_stream blocks), {} batches retired, {} events recorded ({} hurries \
-                 skipped while records were slow)",
+                 skipped while records were slow), {} queried ({} in the queries)",
                 mib(s.retiring_bytes),
                 s.batches_retired,
                 s.events_recorded,
-                s.hurries_skipped
+                s.hurries_skipped,
+                s.events_queried,
+                ms(s.query_ns)
             ),
         ),
         (
