@@ -25,10 +25,11 @@
 //! it is, after a warm-up of the same length for all (the window: half the measured time);
 //! `--quick` runs every measurement 10× shorter. `--warm` plays each trace a second time
 //! in the same allocator (nothing trimmed in between: a server's next step) and times that
-//! pass too, as `replay --warm` does for vrampool alone.
+//! pass too, as `replay --warm` does for vrampool alone; `--passes N` plays it N times and
+//! times the last (a training job's steady state, once the first steps are past).
 //!
 //! ```text
-//! cargo run --release --example compare [-- --quick] [--warm] [--map-run-pages N] [--rmm librmm_shim.so] [--trace FILE.csv[.gz] ...]
+//! cargo run --release --example compare [-- --quick] [--warm | --passes N] [--map-run-pages N] [--rmm librmm_shim.so] [--trace FILE.csv[.gz] ...]
 //! ```
 //!
 //! Without a GPU it says so and exits 0. A failing driver call is printed and exits 1. The
@@ -375,9 +376,15 @@ fn destroy_seen_stream(dev: &CudaDevice, s: &Stream) {
     or_die("destroy a stream", dev.destroy_stream(s));
 }
 
-/// Nanoseconds per event of a `replay_raw` pass.
-fn per_event((done, took): (usize, Duration)) -> f64 {
-    took.as_nanos() as f64 / done.max(1) as f64
+/// After a trace's first pass, the rest of `passes` through `pass` (a `replay_raw` in the
+/// same workers): nanoseconds per event of the last, or None for one pass only.
+fn last_pass(passes: usize, mut pass: impl FnMut() -> (usize, Duration)) -> Option<f64> {
+    let mut ns = None;
+    for _ in 1..passes {
+        let (done, took) = pass();
+        ns = Some(took.as_nanos() as f64 / done.max(1) as f64);
+    }
+    ns
 }
 
 /// The RMM resources to measure, with the library: none without `--rmm`.
@@ -447,11 +454,12 @@ fn load_trace(name: &str) -> Option<Trace> {
 
 fn main() {
     let mut quick = false;
-    let mut warm = false;
+    // Passes over each trace in one allocator: the first is timed cold, the last warm.
+    let mut passes = 1usize;
     let mut config = PoolConfig::default();
     let usage = || -> ! {
         eprintln!(
-            "usage: compare [--quick] [--warm] [--map-run-pages N (1 to {})] [--rmm librmm_shim.so] [--trace FILE.csv[.gz] ...]",
+            "usage: compare [--quick] [--warm | --passes N] [--map-run-pages N (1 to {})] [--rmm librmm_shim.so] [--trace FILE.csv[.gz] ...]",
             PoolConfig::MAX_MAP_RUN_PAGES
         );
         std::process::exit(2);
@@ -462,7 +470,11 @@ fn main() {
     while let Some(a) = args.next() {
         match a.as_str() {
             "--quick" => quick = true,
-            "--warm" => warm = true,
+            "--warm" => passes = 2,
+            "--passes" => match args.next().and_then(|v| v.parse::<usize>().ok()) {
+                Some(n) if n >= 1 => passes = n,
+                _ => usage(),
+            },
             "--trace" => given.push(args.next().unwrap_or_else(|| usage())),
             "--rmm" => rmm_path = Some(args.next().unwrap_or_else(|| usage())),
             "--map-run-pages" => match args.next().and_then(|v| v.parse::<usize>().ok()) {
@@ -659,7 +671,11 @@ fn main() {
     let from = if given.is_empty() { "benches/traces" } else { "--trace" };
     println!(
         "== trace replay ({from}; time per event, alloc or free, {}) ==",
-        if warm { "a cold pass, then a warm one in the same allocator" } else { "one pass" }
+        match passes {
+            1 => "one pass".to_string(),
+            2 => "a cold pass, then a warm one in the same allocator".to_string(),
+            n => format!("a cold pass, and the last of {n} in the same allocator as the warm one"),
+        }
     );
     println!(
         "   vrampool (fresh pool) and cuMemAllocAsync (pool trimmed to 0) start with nothing mapped: their growth"
@@ -717,10 +733,15 @@ fn main() {
         let one_lane: HashMap<u32, usize> = lanes.keys().map(|&k| (k, 0)).collect();
 
         // vrampool, through the library's replay.
-        let options = ReplayOptions { config: config.clone(), warm, ..ReplayOptions::default() };
+        let options = ReplayOptions {
+            config: config.clone(),
+            warm: passes > 1,
+            warm_passes: passes - 1,
+            ..ReplayOptions::default()
+        };
         let r = or_die("vrampool replay", replay_with(trace, &adev, &options));
         let vram_ns = r.cold.ns_per_op();
-        vram_warm.set(r.warm.as_ref().map(|p| p.ns_per_op()));
+        vram_warm.set(r.later.last().or(r.warm.as_ref()).map(|p| p.ns_per_op()));
         row(NAMES[0], r.events.to_string(), vram_ns, "—".into(), Some(r.peak_reserved), vram_warm.get());
 
         // cuMemAlloc, unless the hot-pair figure says it would take too long.
@@ -749,7 +770,7 @@ fn main() {
         mempool.set(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, 0);
         let mut workers: Vec<CuAsync> = tstreams.iter().map(|s| CuAsync::new(&dev, s)).collect();
         let (done, took) = replay_raw(trace, &mut workers, &lanes, Duration::from_secs(600));
-        let warm_ns = warm.then(|| per_event(replay_raw(trace, &mut workers, &lanes, Duration::from_secs(600))));
+        let warm_ns = last_pass(passes, || replay_raw(trace, &mut workers, &lanes, Duration::from_secs(600)));
         let high = mempool.get(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH);
         drop(workers);
         for s in &tstreams {
@@ -766,7 +787,7 @@ fn main() {
             let res = lib.resource(k);
             let mut workers: Vec<rmm::Rmm> = tstreams.iter().map(|s| rmm::Rmm::new(&res, &dev, s)).collect();
             let (done, took) = replay_raw(trace, &mut workers, &lanes, Duration::from_secs(600));
-            let warm_ns = warm.then(|| per_event(replay_raw(trace, &mut workers, &lanes, Duration::from_secs(600))));
+            let warm_ns = last_pass(passes, || replay_raw(trace, &mut workers, &lanes, Duration::from_secs(600)));
             drop(workers);
             let peak = res.peak_reserved();
             drop(res);
@@ -788,7 +809,7 @@ fn main() {
         } else {
             let mut w = [Bf { bf: &bf, high: bf_base }];
             let (done, took) = replay_raw(trace, &mut w, &one_lane, Duration::from_secs(600));
-            let warm_ns = warm.then(|| per_event(replay_raw(trace, &mut w, &one_lane, Duration::from_secs(600))));
+            let warm_ns = last_pass(passes, || replay_raw(trace, &mut w, &one_lane, Duration::from_secs(600)));
             let ns = took.as_nanos() as f64 / done.max(1) as f64;
             row(NAMES[3], done.to_string(), ns, versus(ns, vram_ns), Some(w[0].high - bf_base), warm_ns);
         }
