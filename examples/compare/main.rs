@@ -724,7 +724,6 @@ fn main() {
                 mib(peak_live)
             );
         };
-
         let mut lanes: HashMap<u32, usize> = HashMap::new();
         for op in &trace.ops {
             let n = lanes.len();
