@@ -1,7 +1,9 @@
 // What the driver calls on vrampool's miss path cost when nothing waits on the GPU: the
 // capture-mode exchange and the context check `CudaDevice` makes around every call, the
 // capture query every miss makes, and the event calls of a free's cadence. One thread,
-// then the same on 16 threads at once (each its own stream), ns per call.
+// then the same on 16 threads at once (each its own stream), ns per call. Then what an
+// event record costs on a stream with a long queue of work ahead of it (host functions of
+// 10 us each, as a busy server's stream holds kernels): whether a record waits for room.
 // Build and run on the GPU machine: nvcc -O2 -o driver_calls benches/driver_calls.c -lcuda -lpthread
 // Measured on an H100 (driver 580): docs/BENCHMARKS.md.
 #include <cuda.h>
@@ -48,6 +50,35 @@ static void print(const char* what, struct result* r, int n) {
   printf("%-12s exchange-capture-mode %6.1f  ctx-get-current %6.1f  stream-is-capturing %6.1f  event-query %6.1f  event-record %6.1f  stream-get-id %6.1f ns\n",
          what, a[0] / n, a[1] / n, a[2] / n, a[3] / n, a[4] / n, a[5] / n);
 }
+static void CUDA_CB spin10(void* arg) {
+  (void)arg;
+  double t = now_ns();
+  while (now_ns() - t < 10000) {}
+}
+static void* queued(void* unused) {
+  (void)unused;
+  CK(cuCtxSetCurrent(ctx));
+  CUstream s; CK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  CUevent e; CK(cuEventCreate(&e, CU_EVENT_DISABLE_TIMING));
+  const int depth[] = {0, 100, 1000, 4000, 16000};
+  for (int d = 0; d < 5; d++) {
+    double t = now_ns();
+    for (int i = 0; i < depth[d]; i++) CK(cuLaunchHostFunc(s, spin10, NULL));
+    double enq = (now_ns() - t) / (depth[d] ? depth[d] : 1);
+    double worst = 0, sum = 0;
+    for (int i = 0; i < 200; i++) {
+      double t0 = now_ns();
+      CK(cuEventRecord(e, s));
+      double took = now_ns() - t0;
+      sum += took; if (took > worst) worst = took;
+      CK(cuLaunchHostFunc(s, spin10, NULL));
+    }
+    printf("queue of %5d host functions (enqueued at %7.1f ns each): event-record mean %9.1f ns, worst %10.1f ns\n", depth[d], enq, sum / 200, worst);
+    CK(cuStreamSynchronize(s));
+  }
+  cuEventDestroy(e); cuStreamDestroy(s);
+  return NULL;
+}
 int main(void) {
   if (cuInit(0) != CUDA_SUCCESS) { printf("no CUDA\n"); return 1; }
   CUdevice dev; cuDeviceGet(&dev, 0); cuDevicePrimaryCtxRetain(&ctx, dev);
@@ -59,5 +90,6 @@ int main(void) {
     for (int i = 0; i < 16; i++) pthread_join(th[i], NULL);
     print("16 threads", many, 16);
   }
+  queued(NULL);
   return 0;
 }
