@@ -16,7 +16,9 @@
 //! - `--warm`: replay each trace twice in one pool, untrimmed in between, and report the
 //!   second pass too: time per event (the best-fit pool's likewise, its second pass in one
 //!   pool) and the bytes the device mapped and unmapped during it (the simulator's own
-//!   counts; on CUDA, from the pool's figures);
+//!   counts; on CUDA, from the pool's figures), and where its time went below the caches
+//!   (the pool's timers: its ladder and uncached frees, and the maps, unmaps and event calls
+//!   it made, most of them inside those): the pool's own work, or the driver's;
 //! - `--passes N`: with `--warm` implied, N passes in one pool: the second is reported as
 //!   above, and every later one by its maps + unmaps ÷ peak and time per event (whether the
 //!   layout settles once the trace repeats);
@@ -192,6 +194,7 @@ fn main() {
     print_cold(&rows);
     if o.warm {
         print_warm(&rows);
+        print_warm_time(&rows);
     }
     if o.warm_passes > 1 {
         print_later(&rows);
@@ -259,6 +262,36 @@ fn print_warm(rows: &[Row]) {
             w.unmapped_bytes as f64 / r.peak_reserved.max(1) as f64,
             mib(r.peak_reserved),
             r.ratio()
+        );
+    }
+}
+
+/// Where the warm pass's time went below the caches, from the pool's own timers (the
+/// differences of `Stats` between the ends of the first and second passes): the pool's work
+/// or the driver's.
+fn print_warm_time(rows: &[Row]) {
+    println!();
+    println!(
+        "warm pass, time below the caches (ms): the ladder (allocating), uncached frees, and the driver's maps, \
+         unmaps and event calls (most of them inside those two)"
+    );
+    println!(
+        "{:<28} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "trace", "pass", "ladder", "frees", "maps", "unmaps", "events"
+    );
+    let ms = |ns: u64| ns as f64 / 1e6;
+    for (name, r, _, _) in rows {
+        let Some(w) = &r.warm else { continue };
+        let (a, b) = (&r.cold.stats, &w.stats);
+        println!(
+            "{:<28} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2}",
+            name,
+            w.elapsed.as_secs_f64() * 1e3,
+            ms(b.ladder_ns.saturating_sub(a.ladder_ns)),
+            ms(b.release_ns.saturating_sub(a.release_ns)),
+            ms(b.map_ns.saturating_sub(a.map_ns)),
+            ms(b.unmap_ns.saturating_sub(a.unmap_ns)),
+            ms(b.event_ns.saturating_sub(a.event_ns))
         );
     }
 }
