@@ -376,6 +376,58 @@ fn destroy_seen_stream(dev: &CudaDevice, s: &Stream) {
     or_die("destroy a stream", dev.destroy_stream(s));
 }
 
+/// The trace rows of one run, by allocator, against vrampool's row of the same trace (which
+/// comes first): how many traces each was slower than vrampool on, cold and warm, and how
+/// many it held more on. A summary for someone replaying their own traces.
+#[derive(Default)]
+struct Tally {
+    /// vrampool's figures on the trace being printed: cold ns, warm ns, reserved ÷ live.
+    vram: (f64, Option<f64>, Option<f64>),
+    /// Per allocator, in order of appearance: (traces, slower cold, warm compared, slower
+    /// warm, memory compared, held more).
+    rows: Vec<(String, [usize; 6])>,
+}
+
+impl Tally {
+    fn add(&mut self, alloc: &str, ns: f64, warm: Option<f64>, ratio: Option<f64>) {
+        if alloc == NAMES[0] {
+            self.vram = (ns, warm, ratio);
+            return;
+        }
+        let i = match self.rows.iter().position(|(n, _)| n == alloc) {
+            Some(i) => i,
+            None => {
+                self.rows.push((alloc.to_string(), [0; 6]));
+                self.rows.len() - 1
+            }
+        };
+        let c = &mut self.rows[i].1;
+        c[0] += 1;
+        c[1] += usize::from(ns > self.vram.0);
+        if let (Some(w), Some(v)) = (warm, self.vram.1) {
+            c[2] += 1;
+            c[3] += usize::from(w > v);
+        }
+        if let (Some(r), Some(v)) = (ratio, self.vram.2) {
+            c[4] += 1;
+            c[5] += usize::from(r > v);
+        }
+    }
+
+    fn print(&self) {
+        if self.rows.is_empty() {
+            return;
+        }
+        println!();
+        println!("summary: on how many traces each was slower than vrampool (cold, warm) and held more");
+        for (name, c) in &self.rows {
+            let warm = if c[2] > 0 { format!("{} of {}", c[3], c[2]) } else { "—".into() };
+            let more = if c[4] > 0 { format!("{} of {}", c[5], c[4]) } else { "—".into() };
+            println!("   {name:<24} slower cold on {} of {}, slower warm on {warm}, held more on {more}", c[1], c[0]);
+        }
+    }
+}
+
 /// After a trace's first pass, the rest of `passes` through `pass` (a `replay_raw` in the
 /// same workers): nanoseconds per event of the last, or None for one pass only.
 fn last_pass(passes: usize, mut pass: impl FnMut() -> (usize, Duration)) -> Option<f64> {
@@ -702,6 +754,8 @@ fn main() {
     );
     let adev: Arc<dyn Device> = Arc::new(dev.clone());
     let mut replay_stats: Vec<(&str, Report)> = Vec::new();
+    // Every row's figures, for the summary at the end.
+    let tally = std::cell::RefCell::new(Tally::default());
     for Named { name, pytorch, trace } in &traces {
         let name = name.as_str();
         let peak_live = trace.peak_live();
@@ -713,6 +767,7 @@ fn main() {
                 Some(r) => (mib(r), format!("{:.3}", r as f64 / peak_live.max(1) as f64)),
                 None => ("—".to_string(), "—".to_string()),
             };
+            tally.borrow_mut().add(alloc, ns, warm_ns, reserved.map(|r| r as f64 / peak_live.max(1) as f64));
             let (w, wvs) = match (warm_ns, vram_warm.get()) {
                 (Some(w), Some(v)) if alloc != NAMES[0] => (ns_text(w), versus(w, v)),
                 (Some(w), _) => (ns_text(w), "—".to_string()),
@@ -820,6 +875,7 @@ fn main() {
         }
         replay_stats.push((name, r));
     }
+    tally.into_inner().print();
 
     // ---- the end
     // SAFETY: the best-fit range was only ever bookkeeping; no work uses it.
