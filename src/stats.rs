@@ -119,6 +119,14 @@ pub struct Stats {
     /// Nanoseconds of `event_ns` spent asking events whether they are complete
     /// (`events_queried` of them).
     pub query_ns: u64,
+    /// Nanoseconds of `event_ns` spent creating and recording events (`events_recorded`).
+    pub record_ns: u64,
+    /// Nanoseconds of `event_ns` spent making streams wait on events (`device_waits`).
+    pub wait_ns: u64,
+    /// Nanoseconds of `event_ns` spent asking whether streams are being captured (before
+    /// every miss, and before a stream's events are recorded or polled). With `query_ns`,
+    /// `record_ns` and `wait_ns` it makes up `event_ns`.
+    pub capture_ns: u64,
     /// Bytes mapped over the pool's life (loans included: memory mapped at a second address).
     pub mapped_bytes: u64,
     /// Runs of free pages whose memory went to pages a request landed on, instead of new
@@ -204,6 +212,9 @@ pub(crate) struct Counters {
     pub unmap_ns: AtomicU64,
     pub event_ns: AtomicU64,
     pub query_ns: AtomicU64,
+    pub record_ns: AtomicU64,
+    pub wait_ns: AtomicU64,
+    pub capture_ns: AtomicU64,
 }
 
 impl Counters {

@@ -51,13 +51,12 @@ pub fn tier_table(s: &Stats) -> String {
             "T2 retiring",
             format!(
                 "{} now (record_stream blocks), {} batches retired, {} events recorded ({} hurries \
-                 skipped while records were slow), {} queried ({} in the queries)",
+                 skipped while records were slow), {} queried",
                 mib(s.retiring_bytes),
                 s.batches_retired,
                 s.events_recorded,
                 s.hurries_skipped,
-                s.events_queried,
-                ms(s.query_ns)
+                s.events_queried
             ),
         ),
         (
@@ -76,7 +75,8 @@ pub fn tier_table(s: &Stats) -> String {
             "ladder",
             format!(
                 "{} flushes, {} maps, {} host waits, {} steals, {} out-of-memory; {} below the caches \
-                 (allocating {}, freeing {}), of which {} mapping and {} unmapping; {} in event calls",
+                 (allocating {}, freeing {}), of which {} mapping and {} unmapping; {} in event calls \
+                 (recording {}, querying {}, device waits {}, capture checks {})",
                 s.ladder_flushes,
                 s.ladder_maps,
                 s.ladder_waits,
@@ -87,7 +87,11 @@ pub fn tier_table(s: &Stats) -> String {
                 ms(s.release_ns),
                 ms(s.map_ns),
                 ms(s.unmap_ns),
-                ms(s.event_ns)
+                ms(s.event_ns),
+                ms(s.record_ns),
+                ms(s.query_ns),
+                ms(s.wait_ns),
+                ms(s.capture_ns)
             ),
         ),
         (

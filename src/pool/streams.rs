@@ -287,12 +287,12 @@ impl PoolInner {
         self.me.upgrade()?.stream_state(stream).ok()
     }
 
-    /// A new event recorded on `stream` now (its time counted in `Stats::event_ns`, and in
+    /// A new event recorded on `stream` now (its time counted in `Stats::record_ns`, and in
     /// the average [`PoolInner::events_contended`] reads).
     pub(crate) fn event_on(&self, stream: &Stream) -> Result<Event> {
         // `Instant`, not the statistics' ticks: a decision reads this (`crate::clock`).
         let start = std::time::Instant::now();
-        let ev = Counters::timed(&self.counters.event_ns, || {
+        let ev = self.event_call(&self.counters.record_ns, || {
             let ev = self.device.create_event()?;
             self.device.record_event(&ev, stream)?;
             Ok(ev)
@@ -317,27 +317,33 @@ impl PoolInner {
         self.event_cost.load(Ordering::Relaxed) > EVENTS_CONTENDED_NS
     }
 
+    /// Run the event call `f`, its time added to `Stats::event_ns` and to the counter of its
+    /// kind (`part`): the four kinds sum to `event_ns`.
+    fn event_call<T>(&self, part: &AtomicU64, f: impl FnOnce() -> T) -> T {
+        let start = crate::clock::ticks();
+        let out = f();
+        let took = crate::clock::ticks().saturating_sub(start);
+        part.fetch_add(took, Ordering::Relaxed);
+        self.counters.event_ns.fetch_add(took, Ordering::Relaxed);
+        out
+    }
+
     /// Whether `event` is complete (a failed query reads as not complete; counted in
-    /// `Stats::events_queried`, its time in `Stats::query_ns` and `Stats::event_ns`).
+    /// `Stats::events_queried`, its time in `Stats::query_ns`).
     pub(crate) fn event_done(&self, event: &Event) -> bool {
         Counters::bump(&self.counters.events_queried, 1);
-        let start = crate::clock::ticks();
-        let done = self.device.query_event(event).unwrap_or(false);
-        let took = crate::clock::ticks().saturating_sub(start);
-        self.counters.query_ns.fetch_add(took, Ordering::Relaxed);
-        self.counters.event_ns.fetch_add(took, Ordering::Relaxed);
-        done
+        self.event_call(&self.counters.query_ns, || self.device.query_event(event).unwrap_or(false))
     }
 
-    /// Whether `stream` is being captured into a graph (counted in `Stats::event_ns`: the
-    /// check before its events are recorded or polled).
+    /// Whether `stream` is being captured into a graph (its time in `Stats::capture_ns`: the
+    /// check before its events are recorded or polled, and a miss's).
     pub(crate) fn capturing(&self, stream: &Stream) -> Result<bool> {
-        Counters::timed(&self.counters.event_ns, || self.device.is_capturing(stream))
+        self.event_call(&self.counters.capture_ns, || self.device.is_capturing(stream))
     }
 
-    /// Make `stream` wait on the device for `event` (counted in `Stats::event_ns`).
+    /// Make `stream` wait on the device for `event` (its time in `Stats::wait_ns`).
     pub(crate) fn device_wait(&self, stream: &Stream, event: &Event) -> bool {
-        Counters::timed(&self.counters.event_ns, || self.device.stream_wait_event(stream, event).is_ok())
+        self.event_call(&self.counters.wait_ns, || self.device.stream_wait_event(stream, event).is_ok())
     }
 
     /// Record an event on `stream` now, in its `fence` log (it covers every free on it so far).
