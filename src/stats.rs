@@ -210,7 +210,6 @@ pub(crate) struct Counters {
     pub release_ns: AtomicU64,
     pub map_ns: AtomicU64,
     pub unmap_ns: AtomicU64,
-    pub event_ns: AtomicU64,
     pub query_ns: AtomicU64,
     pub record_ns: AtomicU64,
     pub wait_ns: AtomicU64,

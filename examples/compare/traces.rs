@@ -125,35 +125,50 @@ fn replay_raw<W: Worker>(
 #[derive(Default)]
 struct Tally {
     /// vrampool's figures on the trace being printed: cold ns, warm ns, reserved ÷ live.
-    vram: (f64, Option<f64>, Option<f64>),
-    /// Per allocator, in order of appearance: (traces, slower cold, warm compared, slower
-    /// warm, memory compared, held more).
-    rows: Vec<(String, [usize; 6])>,
+    vram: [Option<f64>; 3],
+    /// Per allocator, in order of appearance: against vrampool, cold time, warm time, memory.
+    rows: Vec<(String, [Worse; 3])>,
+}
+
+/// Of the traces where both figures were measured, on how many a peer's was the larger.
+#[derive(Clone, Copy, Default)]
+struct Worse {
+    compared: usize,
+    worse: usize,
+}
+
+impl Worse {
+    fn note(&mut self, theirs: Option<f64>, vrampool: Option<f64>) {
+        if let (Some(t), Some(v)) = (theirs, vrampool) {
+            self.compared += 1;
+            self.worse += usize::from(t > v);
+        }
+    }
+
+    fn text(self) -> String {
+        if self.compared == 0 {
+            return "—".into();
+        }
+        format!("{} of {}", self.worse, self.compared)
+    }
 }
 
 impl Tally {
     fn add(&mut self, alloc: &str, ns: f64, warm: Option<f64>, ratio: Option<f64>) {
+        let figures = [Some(ns), warm, ratio];
         if alloc == NAMES[0] {
-            self.vram = (ns, warm, ratio);
+            self.vram = figures;
             return;
         }
         let i = match self.rows.iter().position(|(n, _)| n == alloc) {
             Some(i) => i,
             None => {
-                self.rows.push((alloc.to_string(), [0; 6]));
+                self.rows.push((alloc.to_string(), [Worse::default(); 3]));
                 self.rows.len() - 1
             }
         };
-        let c = &mut self.rows[i].1;
-        c[0] += 1;
-        c[1] += usize::from(ns > self.vram.0);
-        if let (Some(w), Some(v)) = (warm, self.vram.1) {
-            c[2] += 1;
-            c[3] += usize::from(w > v);
-        }
-        if let (Some(r), Some(v)) = (ratio, self.vram.2) {
-            c[4] += 1;
-            c[5] += usize::from(r > v);
+        for (w, (theirs, vrampool)) in self.rows[i].1.iter_mut().zip(figures.into_iter().zip(self.vram)) {
+            w.note(theirs, vrampool);
         }
     }
 
@@ -163,10 +178,13 @@ impl Tally {
         }
         println!();
         println!("summary: on how many traces each was slower than vrampool (cold, warm) and held more");
-        for (name, c) in &self.rows {
-            let warm = if c[2] > 0 { format!("{} of {}", c[3], c[2]) } else { "—".into() };
-            let more = if c[4] > 0 { format!("{} of {}", c[5], c[4]) } else { "—".into() };
-            println!("   {name:<24} slower cold on {} of {}, slower warm on {warm}, held more on {more}", c[1], c[0]);
+        for (name, [cold, warm, memory]) in &self.rows {
+            println!(
+                "   {name:<24} slower cold on {}, slower warm on {}, held more on {}",
+                cold.text(),
+                warm.text(),
+                memory.text()
+            );
         }
     }
 }

@@ -229,9 +229,9 @@ impl PoolInner {
     /// its log first, and while one is still pending no new one is recorded: the device is
     /// behind it, so a new event would complete after it in any case, and the next free past
     /// the threshold tries again. A record is cheap alone (~0.5 µs) but waits for the driver
-    /// behind other threads' maps and unmaps: in a 16-worker GPU run most records took 1–8 µs
-    /// and a tail of them 65 µs–8 ms, a quarter of the time below the caches
-    /// (`docs/BENCHMARKS.md`, twenty-sixth session). The poll also keeps the log short, which
+    /// behind other threads' calls (kernel launches on a busy GPU as much as maps): in a
+    /// 16-worker GPU run most records took 1–8 µs and a tail of them 65 µs–8 ms
+    /// (`docs/BENCHMARKS.md`, twenty-sixth and thirty-fifth sessions). The poll also keeps the log short, which
     /// every fence judgement walks.
     pub(crate) fn note_free(&self, st: &StreamState, bytes: u64) {
         const BLOCKS: u64 = 1 << 40;
@@ -292,7 +292,7 @@ impl PoolInner {
     pub(crate) fn event_on(&self, stream: &Stream) -> Result<Event> {
         // `Instant`, not the statistics' ticks: a decision reads this (`crate::clock`).
         let start = std::time::Instant::now();
-        let ev = self.event_call(&self.counters.record_ns, || {
+        let ev = Counters::timed(&self.counters.record_ns, || {
             let ev = self.device.create_event()?;
             self.device.record_event(&ev, stream)?;
             Ok(ev)
@@ -317,33 +317,22 @@ impl PoolInner {
         self.event_cost.load(Ordering::Relaxed) > EVENTS_CONTENDED_NS
     }
 
-    /// Run the event call `f`, its time added to `Stats::event_ns` and to the counter of its
-    /// kind (`part`): the four kinds sum to `event_ns`.
-    fn event_call<T>(&self, part: &AtomicU64, f: impl FnOnce() -> T) -> T {
-        let start = crate::clock::ticks();
-        let out = f();
-        let took = crate::clock::ticks().saturating_sub(start);
-        part.fetch_add(took, Ordering::Relaxed);
-        self.counters.event_ns.fetch_add(took, Ordering::Relaxed);
-        out
-    }
-
     /// Whether `event` is complete (a failed query reads as not complete; counted in
     /// `Stats::events_queried`, its time in `Stats::query_ns`).
     pub(crate) fn event_done(&self, event: &Event) -> bool {
         Counters::bump(&self.counters.events_queried, 1);
-        self.event_call(&self.counters.query_ns, || self.device.query_event(event).unwrap_or(false))
+        Counters::timed(&self.counters.query_ns, || self.device.query_event(event).unwrap_or(false))
     }
 
     /// Whether `stream` is being captured into a graph (its time in `Stats::capture_ns`: the
     /// check before its events are recorded or polled, and a miss's).
     pub(crate) fn capturing(&self, stream: &Stream) -> Result<bool> {
-        self.event_call(&self.counters.capture_ns, || self.device.is_capturing(stream))
+        Counters::timed(&self.counters.capture_ns, || self.device.is_capturing(stream))
     }
 
     /// Make `stream` wait on the device for `event` (its time in `Stats::wait_ns`).
     pub(crate) fn device_wait(&self, stream: &Stream, event: &Event) -> bool {
-        self.event_call(&self.counters.wait_ns, || self.device.stream_wait_event(stream, event).is_ok())
+        Counters::timed(&self.counters.wait_ns, || self.device.stream_wait_event(stream, event).is_ok())
     }
 
     /// Record an event on `stream` now, in its `fence` log (it covers every free on it so far).
