@@ -629,6 +629,14 @@ fn run(args: &Args) -> Result<u64, Error> {
         mib(st.peak_reserved_bytes),
         st.peak_reserved_bytes as f64 / peak_live.max(1) as f64
     );
+    let (submits, submit_ns) = setup.work.submitted();
+    println!(
+        "handing work to the device: {submits} calls, {:.1} µs each on average ({} in all); the pool's event \
+         records: {:.1} µs each",
+        submit_ns as f64 / submits.max(1) as f64 / 1e3,
+        report::ms(submit_ns),
+        st.record_ns as f64 / st.events_recorded.max(1) as f64 / 1e3
+    );
     let corrupted = setup.work.corrupted()?;
     #[cfg(feature = "cuda")]
     if let Some(g) = &setup.gpu {

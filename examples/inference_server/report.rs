@@ -17,7 +17,7 @@ pub fn mib(b: u64) -> String {
 }
 
 /// Nanoseconds as milliseconds.
-fn ms(ns: u64) -> String {
+pub fn ms(ns: u64) -> String {
     format!("{:.1} ms", ns as f64 / 1e6)
 }
 

@@ -10,6 +10,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use vrampool::{SimDevice, Stream};
 
@@ -37,6 +38,33 @@ pub trait Work: Send + Sync {
     fn checks(&self) -> u64;
     /// What runs the work, for the log.
     fn what(&self) -> String;
+    /// How long the workers' threads spent handing the work to the device (kernel launches,
+    /// or host functions enqueued), for comparison with the pool's own event calls, which
+    /// wait in the same driver: the calls and their nanoseconds, over all threads.
+    fn submitted(&self) -> (u64, u64);
+}
+
+/// Calls that handed work to the device, and the time the calling threads spent in them.
+#[derive(Default)]
+pub struct Submitted {
+    calls: AtomicU64,
+    nanos: AtomicU64,
+}
+
+impl Submitted {
+    /// Run `submit`, counting it and its time.
+    fn time<T>(&self, submit: impl FnOnce() -> T) -> T {
+        let t = Instant::now();
+        let r = submit();
+        self.nanos.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        r
+    }
+
+    /// The calls so far and their time in nanoseconds.
+    pub fn read(&self) -> (u64, u64) {
+        (self.calls.load(Ordering::Relaxed), self.nanos.load(Ordering::Relaxed))
+    }
 }
 
 /// The simulator: host functions on the block's stream.
@@ -44,11 +72,12 @@ pub struct SimWork {
     dev: SimDevice,
     bad: Arc<AtomicU64>,
     checks: Arc<AtomicU64>,
+    submitted: Submitted,
 }
 
 impl SimWork {
     pub fn new(dev: SimDevice) -> SimWork {
-        SimWork { dev, bad: Arc::default(), checks: Arc::default() }
+        SimWork { dev, bad: Arc::default(), checks: Arc::default(), submitted: Submitted::default() }
     }
 }
 
@@ -59,7 +88,7 @@ impl Work for SimWork {
 
     fn fill(&self, addr: u64, capacity: u64, tag: u64, stream: &Stream) -> Result<(), Error> {
         let (dev, bad) = (self.dev.clone(), Arc::clone(&self.bad));
-        self.dev.enqueue(stream, move || {
+        let fill = move || {
             // Memory unmapped under a block still in use is corruption too (a GPU would
             // fault); a host thread must not touch it.
             if !dev.is_mapped(addr, capacity as usize) {
@@ -73,13 +102,14 @@ impl Work for SimWork {
                 // addresses are host addresses; 256-byte alignment makes each word aligned.
                 unsafe { ((addr + k * STRIDE) as *mut u64).write_volatile(word(tag, k)) };
             }
-        })?;
+        };
+        self.submitted.time(|| self.dev.enqueue(stream, fill))?;
         Ok(())
     }
 
     fn check(&self, addr: u64, capacity: u64, tag: u64, stream: &Stream) -> Result<(), Error> {
         let (dev, bad, checks) = (self.dev.clone(), Arc::clone(&self.bad), Arc::clone(&self.checks));
-        self.dev.enqueue(stream, move || {
+        let check = move || {
             checks.fetch_add(1, Ordering::Relaxed);
             if !dev.is_mapped(addr, capacity as usize) {
                 bad.fetch_add(1, Ordering::Relaxed);
@@ -91,7 +121,8 @@ impl Work for SimWork {
             if wrong {
                 bad.fetch_add(1, Ordering::Relaxed);
             }
-        })?;
+        };
+        self.submitted.time(|| self.dev.enqueue(stream, check))?;
         Ok(())
     }
 
@@ -106,6 +137,10 @@ impl Work for SimWork {
     fn what(&self) -> String {
         "host functions on the simulated streams".into()
     }
+
+    fn submitted(&self) -> (u64, u64) {
+        self.submitted.read()
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -118,7 +153,7 @@ pub mod gpu {
     use vrampool::cudarc::driver::{CudaContext, CudaFunction, LaunchConfig, PushKernelArg};
     use vrampool::{Block, CudaDevice, Device, Pool, Stream};
 
-    use super::{Error, Work, STRIDE};
+    use super::{Error, Submitted, Work, STRIDE};
 
     /// `word()` of the parent module, on the device; `check` runs as one thread block so that
     /// a block's check adds at most 1 to the count.
@@ -154,6 +189,7 @@ extern "C" __global__ void check(unsigned long long base, unsigned long long wor
         counter: Mutex<Option<(Block, Stream)>>,
         counter_addr: u64,
         checks: AtomicU64,
+        submitted: Submitted,
     }
 
     impl GpuWork {
@@ -180,6 +216,7 @@ extern "C" __global__ void check(unsigned long long base, unsigned long long wor
                 counter: Mutex::new(Some((block, stream))),
                 ctx,
                 checks: AtomicU64::new(0),
+                submitted: Submitted::default(),
             })
         }
 
@@ -210,9 +247,12 @@ extern "C" __global__ void check(unsigned long long base, unsigned long long wor
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: the kernel's signature; it writes `words` words of a live block of
-            // `capacity` bytes, in order on the block's stream (or one made to wait for it).
-            unsafe { cudarc(stream)?.launch_builder(&self.fill).arg(&addr).arg(&words).arg(&tag).launch(cfg) }?;
+            let s = cudarc(stream)?;
+            self.submitted.time(|| {
+                // SAFETY: the kernel's signature; it writes `words` words of a live block of
+                // `capacity` bytes, in order on the block's stream (or one made to wait for it).
+                unsafe { s.launch_builder(&self.fill).arg(&addr).arg(&words).arg(&tag).launch(cfg) }
+            })?;
             Ok(())
         }
 
@@ -220,10 +260,11 @@ extern "C" __global__ void check(unsigned long long base, unsigned long long wor
             let words = capacity / STRIDE;
             let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
             let counter = self.counter_addr;
-            // SAFETY: as `fill`, reading; the counter is a live word of the pool.
-            unsafe {
-                cudarc(stream)?.launch_builder(&self.check).arg(&addr).arg(&words).arg(&tag).arg(&counter).launch(cfg)
-            }?;
+            let s = cudarc(stream)?;
+            self.submitted.time(|| {
+                // SAFETY: as `fill`, reading; the counter is a live word of the pool.
+                unsafe { s.launch_builder(&self.check).arg(&addr).arg(&words).arg(&tag).arg(&counter).launch(cfg) }
+            })?;
             self.checks.fetch_add(1, Ordering::Relaxed);
             Ok(())
         }
@@ -242,6 +283,10 @@ extern "C" __global__ void check(unsigned long long base, unsigned long long wor
 
         fn what(&self) -> String {
             "NVRTC kernels on cudarc streams".into()
+        }
+
+        fn submitted(&self) -> (u64, u64) {
+            self.submitted.read()
         }
     }
 }
