@@ -630,12 +630,14 @@ fn run(args: &Args) -> Result<u64, Error> {
         st.peak_reserved_bytes as f64 / peak_live.max(1) as f64
     );
     let (submits, submit_ns) = setup.work.submitted();
+    let per = |ns: u64, n: u64| ns as f64 / n.max(1) as f64 / 1e3;
     println!(
         "handing work to the device: {submits} calls, {:.1} µs each on average ({} in all); the pool's event \
-         records: {:.1} µs each",
-        submit_ns as f64 / submits.max(1) as f64 / 1e3,
+         records: {:.1} µs each on the streams whose frees they cover, {:.1} µs for other streams' placements",
+        per(submit_ns, submits),
         report::ms(submit_ns),
-        st.record_ns as f64 / st.events_recorded.max(1) as f64 / 1e3
+        per(st.record_ns - st.reuse_record_ns, st.events_recorded - st.reuse_records),
+        per(st.reuse_record_ns, st.reuse_records)
     );
     let corrupted = setup.work.corrupted()?;
     #[cfg(feature = "cuda")]

@@ -121,6 +121,15 @@ pub struct Stats {
     pub query_ns: u64,
     /// Nanoseconds of `event_ns` spent creating and recording events (`events_recorded`).
     pub record_ns: u64,
+    /// Events recorded for another stream's placement (counted in `events_recorded` too):
+    /// a hurry, when a placement meets memory the stream freed and no event covers yet, or
+    /// the event a device wait or the ladder's host wait needs. The thread that records
+    /// one works for another stream than the one it records on, whose owner may be
+    /// launching work meanwhile: on a busy GPU such a record waits for those launches
+    /// (`benches/record_threads.cu`), where a record on the caller's own stream does not.
+    pub reuse_records: u64,
+    /// Nanoseconds of `record_ns` spent on `reuse_records`.
+    pub reuse_record_ns: u64,
     /// Nanoseconds of `event_ns` spent making streams wait on events (`device_waits`).
     pub wait_ns: u64,
     /// Nanoseconds of `event_ns` spent asking whether streams are being captured (before
@@ -212,6 +221,8 @@ pub(crate) struct Counters {
     pub unmap_ns: AtomicU64,
     pub query_ns: AtomicU64,
     pub record_ns: AtomicU64,
+    pub reuse_records: AtomicU64,
+    pub reuse_record_ns: AtomicU64,
     pub wait_ns: AtomicU64,
     pub capture_ns: AtomicU64,
 }
@@ -241,6 +252,18 @@ impl Counters {
         let start = crate::clock::ticks();
         let out = f();
         counter.fetch_add(crate::clock::ticks().saturating_sub(start), Ordering::Relaxed);
+        out
+    }
+
+    /// [`Counters::timed`], adding the same time to each of `counters`: a part and its
+    /// whole, so that the part never reads larger.
+    pub(crate) fn timed_all<T>(counters: &[&AtomicU64], f: impl FnOnce() -> T) -> T {
+        let start = crate::clock::ticks();
+        let out = f();
+        let took = crate::clock::ticks().saturating_sub(start);
+        for c in counters {
+            c.fetch_add(took, Ordering::Relaxed);
+        }
         out
     }
 

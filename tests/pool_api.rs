@@ -315,6 +315,39 @@ fn once_a_stream_has_waited_for_another_the_memory_freed_before_that_wait_is_rea
 }
 
 #[test]
+fn records_for_another_streams_placement_are_counted_apart_from_those_for_frees() {
+    // A placement for `s` that meets memory a stalled `t` freed records `t`'s event (a
+    // hurry): a record made for another stream's placement, on a stream this thread does
+    // not run. The frees of `s` then reach the cadence that records `s`'s own event. Both
+    // count in `events_recorded`; only the first in `reuse_records`.
+    let dev = SimDevice::new(1 << 30);
+    let config = PoolConfig { cross_stream_waits: false, ..PoolConfig::default() };
+    let pool = Pool::new(dev.clone(), config).unwrap();
+    let (s, t) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    const BIG: usize = 8 << 20;
+    drop(pool.alloc(BIG, &t).unwrap());
+    let tx = stalled(&dev, &t);
+    let before = pool.stats();
+    let x = pool.alloc(2 << 20, &s).unwrap();
+    let hurried = pool.stats();
+    assert_eq!(hurried.events_recorded, before.events_recorded + 1, "`t`'s event, for `s`'s placement");
+    assert_eq!(hurried.reuse_records, before.reuse_records + 1, "counted as made for a placement");
+    assert!(hurried.reuse_record_ns <= hurried.record_ns, "its time is part of the records' time");
+    // 64 MiB freed on `s`: the cadence records an event for those frees.
+    for _ in 0..8 {
+        drop(pool.alloc(BIG, &s).unwrap());
+    }
+    let freed = pool.stats();
+    assert!(freed.events_recorded > hurried.events_recorded, "`s`'s event for its frees ({freed:?})");
+    assert_eq!(freed.reuse_records, hurried.reuse_records, "not made for a placement");
+    drop(tx);
+    drop(x);
+    dev.synchronize(&s).unwrap();
+    dev.synchronize(&t).unwrap();
+    all_given_back(&pool);
+}
+
+#[test]
 fn memory_another_stream_freed_is_covered_by_an_event_once_a_placement_meets_it() {
     // A free on `t` is fenced by `t`'s next event, which the pool records on its own only
     // every 64 frees or 64 MiB. A placement for `s` that meets such a fence records it (here

@@ -76,7 +76,8 @@ pub fn tier_table(s: &Stats) -> String {
             format!(
                 "{} flushes, {} maps, {} host waits, {} steals, {} out-of-memory; {} below the caches \
                  (allocating {}, freeing {}), of which {} mapping and {} unmapping; {} in event calls \
-                 (recording {}, querying {}, device waits {}, capture checks {})",
+                 (recording {}, of which {} in {} records for other streams' placements; querying {}, device \
+                 waits {}, capture checks {})",
                 s.ladder_flushes,
                 s.ladder_maps,
                 s.ladder_waits,
@@ -89,6 +90,8 @@ pub fn tier_table(s: &Stats) -> String {
                 ms(s.unmap_ns),
                 ms(s.event_ns),
                 ms(s.record_ns),
+                ms(s.reuse_record_ns),
+                s.reuse_records,
                 ms(s.query_ns),
                 ms(s.wait_ns),
                 ms(s.capture_ns)

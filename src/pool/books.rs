@@ -151,6 +151,8 @@ impl PoolInner {
             event_ns: [&c.query_ns, &c.record_ns, &c.wait_ns, &c.capture_ns].into_iter().map(Counters::get_ns).sum(),
             query_ns: Counters::get_ns(&c.query_ns),
             record_ns: Counters::get_ns(&c.record_ns),
+            reuse_records: Counters::get(&c.reuse_records),
+            reuse_record_ns: Counters::get_ns(&c.reuse_record_ns),
             wait_ns: Counters::get_ns(&c.wait_ns),
             capture_ns: Counters::get_ns(&c.capture_ns),
             ladder_steals: Counters::get(&c.ladder_steals),

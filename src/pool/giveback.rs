@@ -7,6 +7,7 @@
 use super::cross::{Fence, Fences, Lane};
 use super::local;
 use super::place::KEEP_FREE_CHUNKS;
+use super::streams::RecordFor;
 use super::{PoolInner, StreamState};
 use crate::class;
 use crate::device::Stream;
@@ -298,7 +299,10 @@ impl PoolInner {
                 continue;
             }
             let live = !stream.is_destroyed();
-            if live && (self.capturing(stream).unwrap_or(true) || self.record_on(stream, fence, &guard).is_err()) {
+            if live
+                && (self.capturing(stream).unwrap_or(true)
+                    || self.record_on(stream, fence, &guard, RecordFor::Reuse).is_err())
+            {
                 continue;
             }
             // The newest event covers every free stamped so far.
@@ -393,11 +397,11 @@ impl PoolInner {
             if let Some(st) = self.state_for_fence(s) {
                 // After the block's last use there was enqueued (the caller's free).
                 let seq = st.fence.stamp();
-                self.cover(&st, &guard);
+                self.cover(&st, &guard, RecordFor::Frees);
                 fences.push(Fence::Stamp(st, seq));
                 continue;
             }
-            let Ok(ev) = self.event_on(s) else { return Err((span, used_on)) };
+            let Ok(ev) = self.event_on(s, RecordFor::Frees) else { return Err((span, used_on)) };
             Counters::bump(&self.counters.events_recorded, 1);
             fences.push(Fence::Event(ev));
         }
@@ -412,7 +416,7 @@ impl PoolInner {
     fn fence_done(&self, f: &Fence, guard: &epoch::Guard) -> bool {
         match f {
             Fence::Event(ev) => self.event_done(ev),
-            Fence::Stamp(st, seq) => self.covered_complete(st, *seq, guard),
+            Fence::Stamp(st, seq) => self.covered_complete(st, *seq, guard, RecordFor::Frees),
         }
     }
 

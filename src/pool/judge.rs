@@ -22,7 +22,7 @@
 use std::sync::Arc;
 
 use super::place::Reuse;
-use super::streams::Registry;
+use super::streams::{RecordFor, Registry};
 use super::{PoolInner, StreamState};
 use crate::arena::fence_parts;
 use crate::stats::Counters;
@@ -155,7 +155,7 @@ impl<'a> Judge<'a> {
             return false;
         }
         let other = self.reg.slots.get(slot as usize - 1).and_then(|e| e.state.upgrade());
-        other.is_some_and(|other| self.pool.covered_complete(&other, seq, &epoch::pin()))
+        other.is_some_and(|other| self.pool.covered_complete(&other, seq, &epoch::pin(), RecordFor::Reuse))
     }
 
     /// Make the stream wait on the device for every event the placement needs. False if

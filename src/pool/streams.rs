@@ -26,6 +26,20 @@ use crate::stats::Counters;
 use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::epoch;
 
+/// Why an event is recorded on a stream: for the frees made there (their cadence, a block
+/// used on several streams, the stream's end), or for another stream's placement that
+/// waits on those frees (a hurry, the event a device wait or a host wait needs). The
+/// second kind is made by a thread working for another stream, on a stream whose owner
+/// may be launching work meanwhile, and on a busy GPU such a record waits for those
+/// launches (`benches/record_threads.cu`): `Stats::reuse_records` counts them apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RecordFor {
+    /// The frees made on the stream.
+    Frees,
+    /// Another stream's placement, waiting on those frees.
+    Reuse,
+}
+
 /// A stream gets an event once this many blocks were freed to the arena since its last one
 /// ([`PoolInner::note_free`]) ...
 const EVENT_EVERY_BLOCKS: u64 = 64;
@@ -247,7 +261,7 @@ impl PoolInner {
             // Another thread is recording for the same frees.
             return;
         }
-        self.cover(st, &epoch::pin());
+        self.cover(st, &epoch::pin(), RecordFor::Frees);
     }
 
     /// Make sure an event will cover every free stamped on `st`'s stream so far: record one
@@ -255,7 +269,7 @@ impl PoolInner {
     /// them: a new one would complete after it anyway) or the stream cannot take one now
     /// (destroyed, on a host-function thread, or being captured: not even polled then, as a
     /// query there could end the user's capture). Polls the stream's log first.
-    pub(crate) fn cover(&self, st: &StreamState, guard: &epoch::Guard) {
+    pub(crate) fn cover(&self, st: &StreamState, guard: &epoch::Guard, why: RecordFor) {
         if st.destroyed.load(Ordering::Acquire) || crate::device::in_host_fn() {
             return;
         }
@@ -267,15 +281,15 @@ impl PoolInner {
             return;
         }
         // A failed record leaves its number claimed: a later cover tries again.
-        let _ = self.record_on(&st.stream, &st.fence, guard);
+        let _ = self.record_on(&st.stream, &st.fence, guard, why);
     }
 
     /// Whether the frees stamped `seq` on `st`'s stream are complete, covering them first
     /// if not (`cover`: the log polled, and an event recorded unless one is outstanding), so
     /// that a stream nobody is waiting on still gets the event its stamps need.
-    pub(crate) fn covered_complete(&self, st: &StreamState, seq: u64, guard: &epoch::Guard) -> bool {
+    pub(crate) fn covered_complete(&self, st: &StreamState, seq: u64, guard: &epoch::Guard, why: RecordFor) -> bool {
         st.fence.is_complete(seq) || {
-            self.cover(st, guard);
+            self.cover(st, guard, why);
             st.fence.is_complete(seq)
         }
     }
@@ -288,15 +302,24 @@ impl PoolInner {
     }
 
     /// A new event recorded on `stream` now (its time counted in `Stats::record_ns`, and in
-    /// the average [`PoolInner::events_contended`] reads).
-    pub(crate) fn event_on(&self, stream: &Stream) -> Result<Event> {
+    /// the average [`PoolInner::events_contended`] reads; a record for another stream's
+    /// placement also in `Stats::reuse_record_ns`).
+    pub(crate) fn event_on(&self, stream: &Stream, why: RecordFor) -> Result<Event> {
         // `Instant`, not the statistics' ticks: a decision reads this (`crate::clock`).
         let start = std::time::Instant::now();
-        let ev = Counters::timed(&self.counters.record_ns, || {
+        let record = || {
             let ev = self.device.create_event()?;
             self.device.record_event(&ev, stream)?;
             Ok(ev)
-        });
+        };
+        let c = &self.counters;
+        let ev = match why {
+            RecordFor::Frees => Counters::timed(&c.record_ns, record),
+            RecordFor::Reuse => {
+                Counters::bump(&c.reuse_records, 1);
+                Counters::timed_all(&[&c.record_ns, &c.reuse_record_ns], record)
+            }
+        };
         // A moving average over about the last 16 records, each counted as at most four
         // times the threshold: a thread descheduled in the middle of one record (a loaded
         // machine, the simulator on two cores) moves it by a sixteenth of that, and only
@@ -336,8 +359,14 @@ impl PoolInner {
     }
 
     /// Record an event on `stream` now, in its `fence` log (it covers every free on it so far).
-    pub(crate) fn record_on(&self, stream: &Stream, fence: &FenceLog<Event>, guard: &epoch::Guard) -> Result<u64> {
-        let seq = fence.record(|| self.event_on(stream), guard)?;
+    pub(crate) fn record_on(
+        &self,
+        stream: &Stream,
+        fence: &FenceLog<Event>,
+        guard: &epoch::Guard,
+        why: RecordFor,
+    ) -> Result<u64> {
+        let seq = fence.record(|| self.event_on(stream, why), guard)?;
         Counters::bump(&self.counters.events_recorded, 1);
         Ok(seq)
     }
@@ -360,7 +389,7 @@ impl PoolInner {
         if fence.is_complete(seq) {
             return None;
         }
-        if self.record_on(stream, fence, guard).is_err() {
+        if self.record_on(stream, fence, guard, RecordFor::Reuse).is_err() {
             return Some(false);
         }
         // A poller may have seen the new event complete (and dropped it) already.
@@ -374,7 +403,7 @@ impl PoolInner {
         let Some(st) = self.registry.load().by_id.get(&id).cloned() else { return };
         let guard = epoch::pin();
         self.flush_stream_depots(&st, u64::MAX, self.all_classes(), &guard);
-        let finished = st.fence.finish(|| self.event_on(stream), &guard);
+        let finished = st.fence.finish(|| self.event_on(stream, RecordFor::Frees), &guard);
         if finished.is_ok() {
             Counters::bump(&self.counters.events_recorded, 1);
         }
@@ -421,7 +450,7 @@ mod tests {
         let pool = Pool::new(dev.clone(), PoolConfig::default()).unwrap();
         let stream = dev.new_stream().unwrap();
         for _ in 0..n {
-            pool.inner.event_on(&stream).unwrap();
+            pool.inner.event_on(&stream, RecordFor::Frees).unwrap();
         }
         pool
     }
