@@ -314,37 +314,30 @@ fn once_a_stream_has_waited_for_another_the_memory_freed_before_that_wait_is_rea
     all_given_back(&pool);
 }
 
-#[test]
-fn records_for_another_streams_placement_are_counted_apart_from_those_for_frees() {
-    // A placement for `s` that meets memory a stalled `t` freed records `t`'s event (a
-    // hurry): a record made for another stream's placement, on a stream this thread does
-    // not run. The frees of `s` then reach the cadence that records `s`'s own event. Both
-    // count in `events_recorded`; only the first in `reuse_records`.
+/// Two streams of a pool that makes no device waits (as a server that wants its streams
+/// independent): `t` freed an 8 MiB block at the returned address and is then stalled
+/// until the returned sender drops, so no event on `t` can complete meanwhile.
+struct StalledFree {
+    dev: SimDevice,
+    pool: Pool,
+    s: Stream,
+    t: Stream,
+    addr: u64,
+    tx: std::sync::mpsc::Sender<()>,
+}
+
+const STALLED_BIG: usize = 8 << 20;
+
+fn stalled_free() -> StalledFree {
     let dev = SimDevice::new(1 << 30);
     let config = PoolConfig { cross_stream_waits: false, ..PoolConfig::default() };
     let pool = Pool::new(dev.clone(), config).unwrap();
     let (s, t) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
-    const BIG: usize = 8 << 20;
-    drop(pool.alloc(BIG, &t).unwrap());
+    let a = pool.alloc(STALLED_BIG, &t).unwrap();
+    let addr = a.device_ptr();
+    drop(a);
     let tx = stalled(&dev, &t);
-    let before = pool.stats();
-    let x = pool.alloc(2 << 20, &s).unwrap();
-    let hurried = pool.stats();
-    assert_eq!(hurried.events_recorded, before.events_recorded + 1, "`t`'s event, for `s`'s placement");
-    assert_eq!(hurried.reuse_records, before.reuse_records + 1, "counted as made for a placement");
-    assert!(hurried.reuse_record_ns <= hurried.record_ns, "its time is part of the records' time");
-    // 64 MiB freed on `s`: the cadence records an event for those frees.
-    for _ in 0..8 {
-        drop(pool.alloc(BIG, &s).unwrap());
-    }
-    let freed = pool.stats();
-    assert!(freed.events_recorded > hurried.events_recorded, "`s`'s event for its frees ({freed:?})");
-    assert_eq!(freed.reuse_records, hurried.reuse_records, "not made for a placement");
-    drop(tx);
-    drop(x);
-    dev.synchronize(&s).unwrap();
-    dev.synchronize(&t).unwrap();
-    all_given_back(&pool);
+    StalledFree { dev, pool, s, t, addr, tx }
 }
 
 #[test]
@@ -354,29 +347,48 @@ fn memory_another_stream_freed_is_covered_by_an_event_once_a_placement_meets_it(
     // on a stalled `t`, so that placement goes on to new pages): once `t` has run past the
     // free, the next request of `s` takes that memory where it is mapped, with no device
     // wait (turned off here, as a server that wants its streams independent does).
-    let dev = SimDevice::new(1 << 30);
-    let config = PoolConfig { cross_stream_waits: false, ..PoolConfig::default() };
-    let pool = Pool::new(dev.clone(), config).unwrap();
-    let (s, t) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
-    const BIG: usize = 8 << 20;
-    let a = pool.alloc(BIG, &t).unwrap();
-    let addr = a.device_ptr();
-    drop(a);
-    let tx = stalled(&dev, &t);
+    let StalledFree { dev, pool, s, t, addr, tx } = stalled_free();
     let events = pool.stats().events_recorded;
     let x = pool.alloc(2 << 20, &s).unwrap();
-    assert!(x.device_ptr() >= addr + BIG as u64, "not on the memory `t` freed while `t` is stalled");
+    assert!(x.device_ptr() >= addr + STALLED_BIG as u64, "not on the memory `t` freed while `t` is stalled");
     assert!(pool.stats().events_recorded > events, "an event recorded on `t` for its free");
     drop(tx);
     dev.synchronize(&t).unwrap();
     let mapped = dev.mapped_bytes_total();
-    let y = pool.alloc(BIG, &s).unwrap();
+    let y = pool.alloc(STALLED_BIG, &s).unwrap();
     let st = pool.stats();
     assert_eq!(y.device_ptr(), addr, "the memory `t` freed ({st:?})");
     assert_eq!(dev.mapped_bytes_total(), mapped, "no page mapped");
     assert_eq!(st.device_waits, 0);
     drop((x, y));
     dev.synchronize(&s).unwrap();
+    all_given_back(&pool);
+}
+
+#[test]
+fn records_for_another_streams_placement_are_counted_apart_from_those_for_frees() {
+    // The placement for `s` that meets the stalled `t`'s free records `t`'s event (a
+    // hurry): a record made for another stream's placement, on a stream this thread does
+    // not run. The frees of `s` then reach the cadence that records `s`'s own event. Both
+    // count in `events_recorded`; only the first in `reuse_records`.
+    let StalledFree { dev, pool, s, t, tx, .. } = stalled_free();
+    let before = pool.stats();
+    let x = pool.alloc(2 << 20, &s).unwrap();
+    let hurried = pool.stats();
+    assert_eq!(hurried.events_recorded, before.events_recorded + 1, "`t`'s event, for `s`'s placement");
+    assert_eq!(hurried.reuse_records, before.reuse_records + 1, "counted as made for a placement");
+    assert!(hurried.reuse_record_ns <= hurried.record_ns, "its time is part of the records' time");
+    // 64 MiB freed on `s`: the cadence records an event for those frees.
+    for _ in 0..8 {
+        drop(pool.alloc(STALLED_BIG, &s).unwrap());
+    }
+    let freed = pool.stats();
+    assert!(freed.events_recorded > hurried.events_recorded, "`s`'s event for its frees ({freed:?})");
+    assert_eq!(freed.reuse_records, hurried.reuse_records, "not made for a placement");
+    drop(tx);
+    drop(x);
+    dev.synchronize(&s).unwrap();
+    dev.synchronize(&t).unwrap();
     all_given_back(&pool);
 }
 
