@@ -633,7 +633,7 @@ fn run(args: &Args) -> Result<u64, Error> {
     let per = |ns: u64, n: u64| ns as f64 / n.max(1) as f64 / 1e3;
     println!(
         "handing work to the device: {submits} calls, {:.1} µs each on average ({} in all); the pool's event \
-         records: {:.1} µs each on the streams whose frees they cover, {:.1} µs for other streams' placements",
+         records: {:.1} µs each for the frees they cover, {:.1} µs for placements waiting on those frees",
         per(submit_ns, submits),
         report::ms(submit_ns),
         per(st.record_ns - st.reuse_record_ns, st.events_recorded - st.reuse_records),

@@ -121,11 +121,11 @@ pub struct Stats {
     pub query_ns: u64,
     /// Nanoseconds of `event_ns` spent creating and recording events (`events_recorded`).
     pub record_ns: u64,
-    /// Events recorded for another stream's placement (counted in `events_recorded` too):
-    /// a hurry, when a placement meets memory the stream freed and no event covers yet, or
-    /// the event a device wait or the ladder's host wait needs. The thread that records
-    /// one works for another stream than the one it records on, whose owner may be
-    /// launching work meanwhile: on a busy GPU such a record waits for those launches
+    /// Events recorded for a placement rather than for the frees they cover (counted in
+    /// `events_recorded` too): a hurry, when a placement meets memory another stream freed
+    /// that no event covers yet, and the events a device wait or the ladder's host wait
+    /// needs. Most go on another stream than the placing one, whose owner may be launching
+    /// work meanwhile: on a busy GPU such a record waits for those launches
     /// (`benches/record_threads.cu`), where a record on the caller's own stream does not.
     pub reuse_records: u64,
     /// Nanoseconds of `record_ns` spent on `reuse_records`.

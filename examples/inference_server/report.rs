@@ -76,7 +76,7 @@ pub fn tier_table(s: &Stats) -> String {
             format!(
                 "{} flushes, {} maps, {} host waits, {} steals, {} out-of-memory; {} below the caches \
                  (allocating {}, freeing {}), of which {} mapping and {} unmapping; {} in event calls \
-                 (recording {}, of which {} in {} records for other streams' placements; querying {}, device \
+                 (recording {}, of which {} in {} records for placements waiting on frees; querying {}, device \
                  waits {}, capture checks {})",
                 s.ladder_flushes,
                 s.ladder_maps,

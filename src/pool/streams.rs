@@ -27,16 +27,16 @@ use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::epoch;
 
 /// Why an event is recorded on a stream: for the frees made there (their cadence, a block
-/// used on several streams, the stream's end), or for another stream's placement that
-/// waits on those frees (a hurry, the event a device wait or a host wait needs). The
-/// second kind is made by a thread working for another stream, on a stream whose owner
-/// may be launching work meanwhile, and on a busy GPU such a record waits for those
-/// launches (`benches/record_threads.cu`): `Stats::reuse_records` counts them apart.
+/// used on several streams, the stream's end), or for a placement that waits on those
+/// frees (a hurry, the event a device wait or a host wait needs). The second kind mostly
+/// goes on another stream than the placing thread's, whose owner may be launching work
+/// meanwhile, and on a busy GPU such a record waits for those launches
+/// (`benches/record_threads.cu`): `Stats::reuse_records` counts them apart.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum RecordFor {
     /// The frees made on the stream.
     Frees,
-    /// Another stream's placement, waiting on those frees.
+    /// A placement waiting on those frees.
     Reuse,
 }
 
