@@ -636,7 +636,7 @@ fn run(args: &Args) -> Result<u64, Error> {
          records: {:.1} µs each for the frees they cover, {:.1} µs for placements waiting on those frees",
         per(submit_ns, submits),
         report::ms(submit_ns),
-        per(st.record_ns - st.reuse_record_ns, st.events_recorded - st.reuse_records),
+        per(st.record_ns.saturating_sub(st.reuse_record_ns), st.events_recorded.saturating_sub(st.reuse_records)),
         per(st.reuse_record_ns, st.reuse_records)
     );
     let corrupted = setup.work.corrupted()?;

@@ -249,10 +249,7 @@ impl Counters {
     /// as ns with [`Counters::get_ns`]): for slow paths only (a clock read is dearer than a
     /// cache hit).
     pub(crate) fn timed<T>(counter: &AtomicU64, f: impl FnOnce() -> T) -> T {
-        let start = crate::clock::ticks();
-        let out = f();
-        counter.fetch_add(crate::clock::ticks().saturating_sub(start), Ordering::Relaxed);
-        out
+        Self::timed_all(&[counter], f)
     }
 
     /// [`Counters::timed`], adding the same time to each of `counters`: a part and its

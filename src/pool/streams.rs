@@ -242,11 +242,10 @@ impl PoolInner {
     /// **At most one event outstanding.** The stream's events seen complete are polled off
     /// its log first, and while one is still pending no new one is recorded: the device is
     /// behind it, so a new event would complete after it in any case, and the next free past
-    /// the threshold tries again. A record is cheap alone (~0.5 µs) but waits for the driver
-    /// behind other threads' calls (kernel launches on a busy GPU as much as maps): in a
-    /// 16-worker GPU run most records took 1–8 µs and a tail of them 65 µs–8 ms
-    /// (`docs/BENCHMARKS.md`, twenty-sixth and thirty-fifth sessions). The poll also keeps the log short, which
-    /// every fence judgement walks.
+    /// the threshold tries again. A record costs about 0.5 µs on the freeing thread's own
+    /// stream, even on a busy GPU, but on a stream another thread is launching on it waits
+    /// for those launches, up to milliseconds (see [`RecordFor`]). The poll also keeps the
+    /// log short, which every fence judgement walks.
     pub(crate) fn note_free(&self, st: &StreamState, bytes: u64) {
         const BLOCKS: u64 = 1 << 40;
         let before = st.since_event.fetch_add(BLOCKS | bytes.min(BLOCKS - 1), Ordering::AcqRel);
@@ -315,10 +314,7 @@ impl PoolInner {
         let c = &self.counters;
         let ev = match why {
             RecordFor::Frees => Counters::timed(&c.record_ns, record),
-            RecordFor::Reuse => {
-                Counters::bump(&c.reuse_records, 1);
-                Counters::timed_all(&[&c.record_ns, &c.reuse_record_ns], record)
-            }
+            RecordFor::Reuse => Counters::timed_all(&[&c.record_ns, &c.reuse_record_ns], record),
         };
         // A moving average over about the last 16 records, each counted as at most four
         // times the threshold: a thread descheduled in the middle of one record (a loaded
@@ -368,6 +364,10 @@ impl PoolInner {
     ) -> Result<u64> {
         let seq = fence.record(|| self.event_on(stream, why), guard)?;
         Counters::bump(&self.counters.events_recorded, 1);
+        if why == RecordFor::Reuse {
+            // Beside `events_recorded`, so that it counts the records made, not the tries.
+            Counters::bump(&self.counters.reuse_records, 1);
+        }
         Ok(seq)
     }
 
