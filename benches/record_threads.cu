@@ -5,7 +5,9 @@
 // for a batch of frees. The record goes on the thread's own stream, then (second round) on
 // the next thread's stream, as the pool's records for another stream's memory do (a device
 // wait's event, a hurry, a block used on several streams). Each call is timed on the
-// calling thread; printed per T: the mean and worst launch, record and query. No allocator
+// calling thread; printed per T: the mean and worst launch, record and query, and of the
+// capture check the pool makes before it records or polls on a stream (cuStreamIsCapturing,
+// on the same stream as the record). No allocator
 // is involved: what a record costs here is the driver's and the GPU's.
 // Build and run on the GPU machine:
 //   nvcc -O2 -o record_threads benches/record_threads.cu -lcuda -lpthread && ./record_threads
@@ -27,7 +29,7 @@ static double now_ns() { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); 
 struct Timing { double sum, worst; long n; };
 static void note(struct Timing *t, double ns) { t->sum += ns; t->n++; if (ns > t->worst) t->worst = ns; }
 
-struct Worker { int seconds; cudaStream_t own, other; struct Timing launch, record, query; int failed; };
+struct Worker { int seconds; cudaStream_t own, other; struct Timing launch, record, query, capture; int failed; };
 
 static void *work(void *arg) {
   struct Worker *w = (struct Worker *)arg;
@@ -48,6 +50,10 @@ static void *work(void *arg) {
     note(&w->launch, now_ns() - t);
     if (i % 8 == 7) {
       cudaEvent_t cur = ev[(i / 8) % 2], prev = ev[(i / 8 + 1) % 2];
+      CUstreamCaptureStatus cs;
+      t = now_ns();
+      if (cuStreamIsCapturing((CUstream)w->other, &cs) != CUDA_SUCCESS) w->failed = 1;
+      note(&w->capture, now_ns() - t);
       t = now_ns();
       cudaEventRecord(cur, w->other);
       note(&w->record, now_ns() - t);
@@ -81,7 +87,7 @@ int main() {
       w[i].other = streams[(i + next) % n];
       pthread_create(&th[i], NULL, work, &w[i]);
     }
-    struct Timing launch = {0}, record = {0}, query = {0};
+    struct Timing launch = {0}, record = {0}, query = {0}, capture = {0};
     int failed = 0;
     for (int i = 0; i < n; i++) {
       pthread_join(th[i], NULL);
@@ -89,10 +95,11 @@ int main() {
       launch.sum += w[i].launch.sum; launch.n += w[i].launch.n; if (w[i].launch.worst > launch.worst) launch.worst = w[i].launch.worst;
       record.sum += w[i].record.sum; record.n += w[i].record.n; if (w[i].record.worst > record.worst) record.worst = w[i].record.worst;
       query.sum += w[i].query.sum; query.n += w[i].query.n; if (w[i].query.worst > query.worst) query.worst = w[i].query.worst;
+      capture.sum += w[i].capture.sum; capture.n += w[i].capture.n; if (w[i].capture.worst > capture.worst) capture.worst = w[i].capture.worst;
     }
     if (failed) { printf("%2d threads: a CUDA call failed\n", n); return 1; }
-    printf("%2d threads, records on %s: %8ld launches, mean %9.1f ns (worst %11.1f); records mean %9.1f ns (worst %11.1f); queries mean %9.1f ns (worst %11.1f)\n",
-           n, next ? "the next thread's stream" : "their own stream  ", launch.n, launch.sum / launch.n, launch.worst, record.sum / record.n, record.worst, query.sum / query.n, query.worst);
+    printf("%2d threads, records on %s: %8ld launches, mean %9.1f ns (worst %11.1f); records mean %9.1f ns (worst %11.1f); queries mean %9.1f ns (worst %11.1f); capture checks mean %9.1f ns (worst %11.1f)\n",
+           n, next ? "the next thread's stream" : "their own stream  ", launch.n, launch.sum / launch.n, launch.worst, record.sum / record.n, record.worst, query.sum / query.n, query.worst, capture.sum / capture.n, capture.worst);
   }
   return 0;
 }

@@ -64,12 +64,20 @@ pub struct Stats {
     /// Events recorded: when another stream needed a stream's fences resolved, at stream
     /// destruction, and one per stream for `record_stream` blocks.
     pub events_recorded: u64,
-    /// Times a placement met another stream's incomplete fence and left that stream alone
-    /// (no poll, no event recorded to hurry its memory), because the pool's event records
-    /// had lately been slow: the driver busy with other threads' calls (`IMPLEMENTATION.md`,
-    /// "Hurries wait when records are slow"). Counted once per stream a placement meets, so
-    /// it runs well above the records it saved.
+    /// Times a placement met an incomplete fence of another stream the placing thread
+    /// allocates on too, and left that stream alone (no poll, no event recorded to hurry its
+    /// memory), because the pool's event records had lately been slow: the driver busy with
+    /// other threads' calls (`IMPLEMENTATION.md`, "Hurries wait when records are slow").
+    /// Counted once per stream a placement meets, so it runs well above the records it
+    /// saved. Streams the placing thread does not allocate on are asked instead
+    /// (`records_asked`).
     pub hurries_skipped: u64,
+    /// Times a placement met memory another stream freed that no event covered yet, on a
+    /// stream the placing thread does not allocate on, and asked that stream's next free to
+    /// record the event instead of recording it there itself: on a GPU a record on a stream
+    /// another thread is launching on waits behind those launches
+    /// (`benches/record_threads.cu`). Counted when an ask is made, not while it stands.
+    pub records_asked: u64,
     /// Events asked whether they are complete (polls of the streams' fences). On a GPU each
     /// is a `cuEventQuery`, which the driver serialises across threads.
     pub events_queried: u64,
@@ -202,6 +210,7 @@ pub(crate) struct Counters {
     pub covered_reuses: AtomicU64,
     pub events_recorded: AtomicU64,
     pub hurries_skipped: AtomicU64,
+    pub records_asked: AtomicU64,
     pub events_queried: AtomicU64,
     pub batches_retired: AtomicU64,
     pub device_waits: AtomicU64,

@@ -392,6 +392,46 @@ fn records_for_another_streams_placement_are_counted_apart_from_those_for_frees(
     all_given_back(&pool);
 }
 
+/// Run `f` on a thread of its own (whose thread caches go when it ends), and return what it
+/// returns.
+fn on_another_thread<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    std::thread::scope(|sc| sc.spawn(f).join().unwrap())
+}
+
+#[test]
+fn a_placement_asks_the_stream_of_another_thread_for_its_event_and_its_next_free_records_it() {
+    // `t` is another thread's stream: that thread allocates and frees there; this one never
+    // does. A placement for `s` that meets `t`'s free, not covered by an event yet, must not
+    // record one on `t` (on a GPU it would wait behind the other thread's launches): it asks,
+    // and `t`'s next free records the event, below the cadence of 64 frees. Once `t` has
+    // run past it, `s` takes the memory where it is mapped.
+    let dev = SimDevice::new(1 << 30);
+    let config = PoolConfig { cross_stream_waits: false, ..PoolConfig::default() };
+    let pool = Pool::new(dev.clone(), config).unwrap();
+    let (s, t) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    let addr = on_another_thread(|| pool.alloc(STALLED_BIG, &t).unwrap().device_ptr());
+    let tx = stalled(&dev, &t);
+    let before = pool.stats();
+    let x = pool.alloc(2 << 20, &s).unwrap();
+    let asked = pool.stats();
+    assert!(x.device_ptr() >= addr + STALLED_BIG as u64, "not on the memory `t` freed while `t` is stalled");
+    assert_eq!(asked.events_recorded, before.events_recorded, "nothing recorded on `t` from this thread");
+    assert_eq!(asked.records_asked, before.records_asked + 1, "`t` asked for its event");
+    on_another_thread(|| drop(pool.alloc(STALLED_BIG, &t).unwrap()));
+    let answered = pool.stats();
+    assert_eq!(answered.events_recorded, asked.events_recorded + 1, "`t`'s next free recorded it ({answered:?})");
+    assert_eq!(answered.reuse_records, asked.reuse_records, "on the thread that frees there, for its frees");
+    drop(tx);
+    dev.synchronize(&t).unwrap();
+    let mapped = dev.mapped_bytes_total();
+    let y = pool.alloc(STALLED_BIG, &s).unwrap();
+    assert_eq!(y.device_ptr(), addr, "the memory `t` freed ({:?})", pool.stats());
+    assert_eq!(dev.mapped_bytes_total(), mapped, "no page mapped");
+    drop((x, y));
+    dev.synchronize(&s).unwrap();
+    all_given_back(&pool);
+}
+
 #[test]
 fn a_small_block_of_another_stream_queued_first_does_not_hold_back_a_large_one() {
     // Only its own stream may take a small `record_stream` block before its events complete

@@ -50,11 +50,12 @@ pub fn tier_table(s: &Stats) -> String {
         (
             "T2 retiring",
             format!(
-                "{} now (record_stream blocks), {} batches retired, {} events recorded ({} hurries \
-                 skipped while records were slow), {} queried",
+                "{} now (record_stream blocks), {} batches retired, {} events recorded ({} asked of \
+                 other threads' streams, {} hurries skipped while records were slow), {} queried",
                 mib(s.retiring_bytes),
                 s.batches_retired,
                 s.events_recorded,
+                s.records_asked,
                 s.hurries_skipped,
                 s.events_queried
             ),

@@ -228,7 +228,7 @@ class VrampoolBackend:
         # Where the allocator's time can go besides its caches: device calls (maps, loans,
         # unmaps), waits, events. Deltas per workload land in the report's "allocator".
         keys = ("allocs", "ooms", "mapped_bytes", "unmapped_bytes", "pages_lent", "ladder_maps",
-                "ladder_flushes", "ladder_waits", "device_waits", "events_recorded", "hurries_skipped", "events_queried", "same_stream_reuses",
+                "ladder_flushes", "ladder_waits", "device_waits", "events_recorded", "hurries_skipped", "records_asked", "events_queried", "same_stream_reuses",
                 "ladder_ns", "release_ns", "map_ns", "unmap_ns", "event_ns", "query_ns", "record_ns", "reuse_record_ns", "wait_ns", "capture_ns")
         out = {k: s.get(k, 0) for k in keys}
         if self.ext is not None:

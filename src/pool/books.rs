@@ -136,6 +136,7 @@ impl PoolInner {
             same_stream_reuses: Counters::get(&c.same_stream_reuses),
             covered_reuses: Counters::get(&c.covered_reuses),
             hurries_skipped: Counters::get(&c.hurries_skipped),
+            records_asked: Counters::get(&c.records_asked),
             events_queried: Counters::get(&c.events_queried),
             events_recorded: Counters::get(&c.events_recorded),
             batches_retired: Counters::get(&c.batches_retired),

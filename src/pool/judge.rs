@@ -12,17 +12,17 @@
 //! # Invariants
 //!
 //! * A judgement takes no lock and changes nothing it judges: it reads fence words and the
-//!   stream registry's fences, and may record an event ([`Judge::hurry`]) or, once the
-//!   placement has claimed its run, make the stream wait ([`Judge::settle`]). A run whose
-//!   memory another thread claims meanwhile is claimed by one of them only (the space's
-//!   claim), and the loser judges its next run afresh.
+//!   stream registry's fences, and may record an event or ask for one ([`Judge::hurry`])
+//!   or, once the placement has claimed its run, make the stream wait ([`Judge::settle`]).
+//!   A run whose memory another thread claims meanwhile is claimed by one of them only (the
+//!   space's claim), and the loser judges its next run afresh.
 //! * With `break_event_guard_for_tests` every fence is ready: what the stress tests use to
 //!   show that they catch a broken guard.
 
 use std::sync::Arc;
 
 use super::place::Reuse;
-use super::streams::{RecordFor, Registry};
+use super::streams::Registry;
 use super::{PoolInner, StreamState};
 use crate::arena::fence_parts;
 use crate::stats::Counters;
@@ -132,30 +132,22 @@ impl<'a> Judge<'a> {
         true
     }
 
-    /// The first time this judgement meets an incomplete fence of stream `slot`: poll that
-    /// stream's events and, if none is outstanding, record one that covers its frees so far
-    /// (`PoolInner::covered_complete`, as the queue of multi-stream blocks does; `cover`
-    /// neither records on a stream being captured nor calls the device from a host
-    /// function). True if the fence `seq` is complete now. Frees are covered only every
-    /// 64 blocks or 64 MiB (`note_free`), so a stream that freed a few large blocks left
-    /// them refused to every other stream until its next batch: each placement's walk met
-    /// the same refused runs again (about 14 a claim in threads_streams' second pass) and
-    /// the ladder went on to device waits or page loans for memory that an event would have
-    /// freed. Asked once a judgement, each ask is one query and at most one record. Not
-    /// asked while records are slow (`PoolInner::events_contended`): with 16 threads on a
-    /// GPU launching kernels and mapping pages, a record waited about 400 µs behind them,
-    /// and the hurries' records took a quarter of the workers' time.
+    /// The first time this judgement meets an incomplete fence of stream `slot`: hurry that
+    /// stream's frees along ([`PoolInner::hurry`]: covered at once where this thread
+    /// allocates on that stream too, else its next free asked to record). True if the
+    /// fence `seq` is complete now. Frees are covered only every 64 blocks or 64 MiB
+    /// (`note_free`), so a stream that freed a few large blocks left them refused to every
+    /// other stream until its next batch: each placement's walk met the same refused runs
+    /// again (about 14 a claim in threads_streams' second pass) and the ladder went on to
+    /// device waits or page loans for memory that an event would have freed. Asked once a
+    /// judgement and stream.
     pub(super) fn hurry(&mut self, slot: u32, seq: u64) -> bool {
         if self.hurried.contains(&slot) {
             return false;
         }
         self.hurried.push(slot);
-        if self.pool.events_contended() {
-            Counters::bump(&self.pool.counters.hurries_skipped, 1);
-            return false;
-        }
         let other = self.reg.slots.get(slot as usize - 1).and_then(|e| e.state.upgrade());
-        other.is_some_and(|other| self.pool.covered_complete(&other, seq, &epoch::pin(), RecordFor::Reuse))
+        other.is_some_and(|other| self.pool.hurry(&other, seq, &epoch::pin()))
     }
 
     /// Make the stream wait on the device for every event the placement needs. False if

@@ -572,6 +572,17 @@ pub(crate) fn cache_for(pool: &Arc<PoolInner>, stream: &Arc<StreamState>) -> Opt
     Some(tc)
 }
 
+/// Whether the calling thread holds a cache for `stream` of `pool`: it allocates there, so
+/// it most likely launches its work there too, and an event it records there does not wait
+/// behind another thread's launches (`PoolInner::hurry`). False while its list of caches is
+/// being changed (a cache being dropped may flush into the ladder).
+pub(crate) fn holds_cache_for(pool: &PoolInner, stream: StreamId) -> bool {
+    let p: *const PoolInner = pool;
+    LOCAL
+        .try_with(|l| l.entries.try_borrow().is_ok_and(|e| e.iter().any(|e| e.pool == p && e.stream == stream)))
+        .unwrap_or(false)
+}
+
 /// The calling thread's [`StreamCache`] for `stream`.
 pub(crate) fn stream_cache(pool: &Arc<PoolInner>, stream: &Arc<StreamState>) -> Option<StreamCache> {
     cache_for(pool, stream).map(|tc| StreamCache { tc })

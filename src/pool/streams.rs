@@ -75,6 +75,10 @@ pub(crate) struct StreamState {
     /// Bytes and blocks freed to the arena since the stream's last event (see
     /// [`PoolInner::note_free`]), packed `blocks << 40 | bytes`.
     since_event: AtomicU64,
+    /// Set by a placement on another thread that waits on frees here no event covers yet
+    /// ([`PoolInner::hurry`]): the stream's next free records one whatever the cadence, on
+    /// the thread that frees there. Cleared by the next record.
+    asked: AtomicBool,
 }
 
 /// A slot's entry: what resolving a fence of that slot needs, kept for the pool's life (a
@@ -205,6 +209,7 @@ impl PoolInner {
             waited: Waited::default(),
             destroyed: AtomicBool::new(false),
             since_event: AtomicU64::new(0),
+            asked: AtomicBool::new(false),
         })
     }
 
@@ -250,7 +255,7 @@ impl PoolInner {
         const BLOCKS: u64 = 1 << 40;
         let before = st.since_event.fetch_add(BLOCKS | bytes.min(BLOCKS - 1), Ordering::AcqRel);
         let (blocks, freed) = ((before >> 40) + 1, (before & (BLOCKS - 1)) + bytes);
-        if blocks < EVENT_EVERY_BLOCKS && freed < EVENT_EVERY_BYTES {
+        if blocks < EVENT_EVERY_BLOCKS && freed < EVENT_EVERY_BYTES && !st.asked.load(Ordering::Relaxed) {
             return;
         }
         if st.destroyed.load(Ordering::Acquire) || crate::device::in_host_fn() {
@@ -280,7 +285,42 @@ impl PoolInner {
             return;
         }
         // A failed record leaves its number claimed: a later cover tries again.
-        let _ = self.record_on(&st.stream, &st.fence, guard, why);
+        if self.record_on(&st.stream, &st.fence, guard, why).is_ok() {
+            st.asked.store(false, Ordering::Relaxed);
+        }
+    }
+
+    /// A placement met a fence `seq` of `st`'s stream that is not complete (`Judge::hurry`,
+    /// once a judgement and stream): true if it is complete now. A thread that allocates on
+    /// that stream itself (it holds a cache for it: it launches its work there) covers the
+    /// frees at once (`covered_complete`: a poll, and a record unless one is outstanding),
+    /// except while records are slow ([`PoolInner::events_contended`]). Any other thread
+    /// only asks: the stream's next free records the event, on the thread that frees there
+    /// ([`PoolInner::note_free`]), and the memory is ready once the device gets past it.
+    ///
+    /// Why not record it here: on a GPU a record on a stream another thread is launching on
+    /// waits behind those launches. In the 16-worker demo on an H100 the hurries' records on
+    /// other workers' streams took 828 µs each, 22 s of the workers' 192 s, while a record on
+    /// the freeing thread's own stream took under 1 µs even with 16 threads launching
+    /// (`docs/BENCHMARKS.md`, thirty-seventh session). Nor poll it here: a query of another
+    /// stream's event took 2.7 µs there, and judgements meet others' fences several times a
+    /// miss; the pollers the pool has (the asked stream's own frees, the ladder) suffice.
+    pub(crate) fn hurry(&self, st: &StreamState, seq: u64, guard: &epoch::Guard) -> bool {
+        if st.fence.is_complete(seq) {
+            return true;
+        }
+        if !super::local::holds_cache_for(self, st.stream.id()) {
+            if !st.asked.load(Ordering::Relaxed) {
+                st.asked.store(true, Ordering::Relaxed);
+                Counters::bump(&self.counters.records_asked, 1);
+            }
+            return false;
+        }
+        if self.events_contended() {
+            Counters::bump(&self.counters.hurries_skipped, 1);
+            return false;
+        }
+        self.covered_complete(st, seq, guard, RecordFor::Reuse)
     }
 
     /// Whether the frees stamped `seq` on `st`'s stream are complete, covering them first
