@@ -4,8 +4,8 @@
 //! free), a poller racing the device's completion of events, and the retire/event handoff
 //! of blocks used on several streams (released by a poller, or taken early behind a device
 //! wait), a block queued behind a stamp in another stream's log (the copy-stream handoff),
-//! a free racing the stream's final event, and placements for one stream that trust each
-//! other's device waits (`Waited`).
+//! a free racing the stream's final event, placements for one stream that trust each
+//! other's device waits (`Waited`), and an ask for an event racing a record.
 //!
 //! A stream is modelled by its queue: an atomic counter whose `fetch_add` is an enqueue
 //! (the driver's queue lock orders enqueues the same way) and returns the position; an
@@ -168,6 +168,46 @@ fn a_free_racing_the_final_event_is_covered_by_it() {
         done.store(true, Ordering::Release);
         log.poll(|e| e.done.load(Ordering::Acquire), &h.pin());
         assert!(log.is_complete(fence), "the final event is complete, fence {fence} is not");
+    });
+}
+
+/// The ask (`FenceLog::ask`): a placement on a thread that may not record on a stream (it
+/// does not launch there) meets a free's stamp no event covers and asks the stream's next
+/// free to record one, while a thread of that stream records an event for its own frees.
+/// Whatever the interleaving, the ask is not lost: once all three are done, an event
+/// numbered at or past the stamp was claimed, or the ask still stands, for the next free to
+/// answer. (Clear the ask after the claim instead of before it, and loom finds the ask made
+/// between the two, for a stamp past the claim, wiped out unanswered.)
+#[test]
+fn an_ask_is_answered_by_an_event_covering_its_stamp_or_it_stands() {
+    loom::model(|| {
+        let Stream { collector, log, queue, done } = Stream::new();
+        let recorder = {
+            let (log, queue, done, c) = (log.clone(), queue.clone(), done.clone(), collector.clone());
+            thread::spawn(move || {
+                let h = c.register();
+                log.record(|| Ok::<_, ()>(record(&queue, &done)), &h.pin()).unwrap();
+            })
+        };
+        // The fence word the free writes and the placement reads (0: not freed yet).
+        let word = Arc::new(AtomicU64::new(0));
+        let freer = {
+            let (log, word) = (log.clone(), word.clone());
+            thread::spawn(move || word.store(log.stamp(), Ordering::Release))
+        };
+        let stamp = word.load(Ordering::Acquire);
+        if stamp != 0 && !log.is_complete(stamp) {
+            log.ask();
+        }
+        recorder.join().unwrap();
+        freer.join().unwrap();
+        if stamp != 0 {
+            assert!(
+                log.claimed() >= stamp || log.is_asked(),
+                "the ask for stamp {stamp} was cleared, and only event {} was claimed",
+                log.claimed()
+            );
+        }
     });
 }
 

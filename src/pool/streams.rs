@@ -75,10 +75,6 @@ pub(crate) struct StreamState {
     /// Bytes and blocks freed to the arena since the stream's last event (see
     /// [`PoolInner::note_free`]), packed `blocks << 40 | bytes`.
     since_event: AtomicU64,
-    /// Set by a placement on another thread that waits on frees here no event covers yet
-    /// ([`PoolInner::hurry`]): the stream's next free records one whatever the cadence, on
-    /// the thread that frees there. Cleared by the next record.
-    asked: AtomicBool,
 }
 
 /// A slot's entry: what resolving a fence of that slot needs, kept for the pool's life (a
@@ -209,7 +205,6 @@ impl PoolInner {
             waited: Waited::default(),
             destroyed: AtomicBool::new(false),
             since_event: AtomicU64::new(0),
-            asked: AtomicBool::new(false),
         })
     }
 
@@ -255,7 +250,7 @@ impl PoolInner {
         const BLOCKS: u64 = 1 << 40;
         let before = st.since_event.fetch_add(BLOCKS | bytes.min(BLOCKS - 1), Ordering::AcqRel);
         let (blocks, freed) = ((before >> 40) + 1, (before & (BLOCKS - 1)) + bytes);
-        if blocks < EVENT_EVERY_BLOCKS && freed < EVENT_EVERY_BYTES && !st.asked.load(Ordering::Relaxed) {
+        if blocks < EVENT_EVERY_BLOCKS && freed < EVENT_EVERY_BYTES && !st.fence.is_asked() {
             return;
         }
         if st.destroyed.load(Ordering::Acquire) || crate::device::in_host_fn() {
@@ -285,9 +280,7 @@ impl PoolInner {
             return;
         }
         // A failed record leaves its number claimed: a later cover tries again.
-        if self.record_on(&st.stream, &st.fence, guard, why).is_ok() {
-            st.asked.store(false, Ordering::Relaxed);
-        }
+        let _ = self.record_on(&st.stream, &st.fence, guard, why);
     }
 
     /// A placement met a fence `seq` of `st`'s stream that is not complete (`Judge::hurry`,
@@ -310,8 +303,7 @@ impl PoolInner {
             return true;
         }
         if !super::local::holds_cache_for(self, st.stream.id()) {
-            if !st.asked.load(Ordering::Relaxed) {
-                st.asked.store(true, Ordering::Relaxed);
+            if st.fence.ask() {
                 Counters::bump(&self.counters.records_asked, 1);
             }
             return false;

@@ -10,8 +10,9 @@
 //!
 //! One [`FenceLog`] per stream: `claimed`, the number of the last event claimed for
 //! recording on the stream; `complete`, the highest number of an event seen complete; the
-//! stream's final event number once it is destroyed; and the events recorded and not yet
-//! seen complete, in a [`Fifo`], oldest first.
+//! stream's final event number once it is destroyed; the events recorded and not yet seen
+//! complete, in a [`Fifo`], oldest first; and whether a thread that may not record on the
+//! stream has asked for an event ([`FenceLog::ask`]).
 //!
 //! # Invariants
 //!
@@ -23,6 +24,10 @@
 //!   Hence **event `q` complete ⇒ every piece of work before every free stamped ≤ `q` is
 //!   done**, whatever order events numbered below `q` complete in.
 //! * `complete` only grows, and only to the number of an event seen complete.
+//! * An ask is never lost: a record takes the ask before it claims its number, so an ask it
+//!   takes was made after a stamp that the new event covers, and an ask made after it
+//!   stands for the next record (loom model:
+//!   `an_ask_is_answered_by_an_event_covering_its_stamp_or_it_stands`).
 //! * After the stream is destroyed, frees stamp its final event's number: nothing new can
 //!   run on the stream, so that event covers every use of every block freed after it.
 //!   A free racing the destruction may still read `claimed` after the final number was
@@ -41,7 +46,7 @@
 //! the event type, generic so that loom models can use a fake event.
 
 use super::Fifo;
-use crate::sync::atomic::{fence, AtomicU64, Ordering};
+use crate::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
 use crate::sync::epoch::Guard;
 
 /// An event recorded on the stream, with its number.
@@ -56,6 +61,9 @@ pub struct FenceLog<E> {
     complete: AtomicU64,
     /// The final event's number once the stream is destroyed; 0 while it lives.
     final_seq: AtomicU64,
+    /// Whether a thread that may not record on the stream waits on a stamp no event covers
+    /// yet ([`FenceLog::ask`]): cleared by the next record, as it claims its number.
+    asked: AtomicBool,
     events: Fifo<Recorded<E>>,
 }
 
@@ -72,6 +80,7 @@ impl<E: Send + Sync> FenceLog<E> {
             claimed: AtomicU64::new(0),
             complete: AtomicU64::new(0),
             final_seq: AtomicU64::new(0),
+            asked: AtomicBool::new(false),
             events: Fifo::new(),
         }
     }
@@ -119,13 +128,43 @@ impl<E: Send + Sync> FenceLog<E> {
     /// Record a new event on the stream with `record` (which creates and records it), after
     /// claiming its number. Returns the number. If `record` fails, the number stays claimed
     /// with no event: fences it would have covered wait for a later one.
+    ///
+    /// Answers every ask made so far ([`FenceLog::ask`]), and only those: the ask is taken
+    /// before the number is claimed, so an ask it takes was made after a stamp that read
+    /// `claimed` before this claim, which the new event covers; a later ask stays, for the
+    /// next record. A failed record puts back the ask it took.
     pub fn record<Er>(&self, record: impl FnOnce() -> Result<E, Er>, guard: &Guard) -> Result<u64, Er> {
+        // AcqRel: an ask taken here happened after the stamp it was made for, so that
+        // stamp's read of `claimed` happens before the claim below and cannot see it.
+        let asked = self.asked.swap(false, Ordering::AcqRel);
         let seq = self.claimed.fetch_add(1, Ordering::AcqRel) + 1;
         // The other half of the pair in `stamp`.
         fence(Ordering::SeqCst);
-        let event = record()?;
+        let event = match record() {
+            Ok(event) => event,
+            Err(e) => {
+                if asked {
+                    self.asked.store(true, Ordering::Release);
+                }
+                return Err(e);
+            }
+        };
         self.events.push(Recorded { seq, event }, guard);
         Ok(seq)
+    }
+
+    /// Ask for an event covering the stamps made so far, from a thread that may not record
+    /// one on the stream itself (in the pool: a thread that does not launch there, where a
+    /// record would wait behind another thread's launches): the stream's next free records
+    /// it ([`FenceLog::is_asked`]). Returns whether the ask is new. An ask is never lost:
+    /// once made, the next record covers the stamps it was made for, or it stands.
+    pub fn ask(&self) -> bool {
+        !self.asked.load(Ordering::Relaxed) && !self.asked.swap(true, Ordering::AcqRel)
+    }
+
+    /// Whether an ask stands that no record has answered yet.
+    pub fn is_asked(&self) -> bool {
+        self.asked.load(Ordering::Relaxed)
     }
 
     /// The stream is being destroyed: record its final event (as [`FenceLog::record`]);
@@ -202,6 +241,18 @@ mod tests {
 
     fn log() -> FenceLog<AtomicBool> {
         FenceLog::new()
+    }
+
+    #[test]
+    fn an_ask_stands_until_a_record_answers_it_and_a_failed_record_leaves_it() {
+        let (l, g) = (log(), epoch::pin());
+        l.stamp();
+        assert!(l.ask(), "a new ask");
+        assert!(!l.ask(), "one already stands");
+        assert_eq!(l.record(|| Err::<AtomicBool, _>(()), &g), Err(()));
+        assert!(l.is_asked(), "no event came of the failed record: the ask stands");
+        l.record(|| Ok::<_, ()>(AtomicBool::new(false)), &g).unwrap();
+        assert!(!l.is_asked(), "answered");
     }
 
     #[test]
