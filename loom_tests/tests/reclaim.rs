@@ -54,6 +54,16 @@ impl Stream {
             done: Arc::new(AtomicBool::new(false)),
         }
     }
+
+    /// A thread that records one event on the stream (as the pool does for `note_free` or
+    /// another stream's request) and returns its number.
+    fn spawn_recorder(&self) -> thread::JoinHandle<u64> {
+        let (log, queue, done, c) = (self.log.clone(), self.queue.clone(), self.done.clone(), self.collector.clone());
+        thread::spawn(move || {
+            let h = c.register();
+            log.record(|| Ok::<_, ()>(record(&queue, &done)), &h.pin()).unwrap()
+        })
+    }
 }
 
 /// The same-stream handoff: a thread frees a block right after enqueuing the block's last
@@ -64,14 +74,9 @@ impl Stream {
 #[test]
 fn an_event_numbered_at_or_past_a_free_s_fence_is_recorded_after_its_last_use() {
     loom::model(|| {
-        let Stream { collector, log, queue, done } = Stream::new();
-        let recorder = {
-            let (log, queue, done, c) = (log.clone(), queue.clone(), done.clone(), collector.clone());
-            thread::spawn(move || {
-                let h = c.register();
-                log.record(|| Ok::<_, ()>(record(&queue, &done)), &h.pin()).unwrap()
-            })
-        };
+        let stream = Stream::new();
+        let recorder = stream.spawn_recorder();
+        let Stream { collector, log, queue, .. } = stream;
         // The block's last use, then its free.
         let last_use = queue.fetch_add(1, Ordering::AcqRel);
         let fence = log.stamp();
@@ -181,14 +186,9 @@ fn a_free_racing_the_final_event_is_covered_by_it() {
 #[test]
 fn an_ask_is_answered_by_an_event_covering_its_stamp_or_it_stands() {
     loom::model(|| {
-        let Stream { collector, log, queue, done } = Stream::new();
-        let recorder = {
-            let (log, queue, done, c) = (log.clone(), queue.clone(), done.clone(), collector.clone());
-            thread::spawn(move || {
-                let h = c.register();
-                log.record(|| Ok::<_, ()>(record(&queue, &done)), &h.pin()).unwrap();
-            })
-        };
+        let stream = Stream::new();
+        let recorder = stream.spawn_recorder();
+        let log = stream.log;
         // The fence word the free writes and the placement reads (0: not freed yet).
         let word = Arc::new(AtomicU64::new(0));
         let freer = {
