@@ -130,9 +130,10 @@ pub struct Stats {
     /// Nanoseconds of `event_ns` spent creating and recording events (`events_recorded`).
     pub record_ns: u64,
     /// Events recorded for a placement rather than for the frees they cover (counted in
-    /// `events_recorded` too): a hurry, when a placement meets memory another stream freed
-    /// that no event covers yet, and the events a device wait or the ladder's host wait
-    /// needs. Most go on another stream than the placing one, whose owner may be launching
+    /// `events_recorded` too): the events a device wait or the ladder's host wait needs, and
+    /// a hurry, when a placement meets memory another stream freed that no event covers yet
+    /// on a stream the placing thread allocates on too (other streams are asked instead:
+    /// `records_asked`). Most go on another stream than the placing one, whose owner may be launching
     /// work meanwhile: on a busy GPU such a record waits for those launches
     /// (`benches/record_threads.cu`), where a record on the caller's own stream does not.
     pub reuse_records: u64,

@@ -329,13 +329,17 @@ struct StalledFree {
 const STALLED_BIG: usize = 8 << 20;
 
 fn stalled_free() -> StalledFree {
+    stalled_free_by(|f| f())
+}
+
+/// [`stalled_free`], with `t`'s block allocated and freed by `on_t` (which runs the closure
+/// it is given: on this thread, or on another that then owns `t`).
+fn stalled_free_by(on_t: impl FnOnce(&(dyn Fn() -> u64 + Sync)) -> u64) -> StalledFree {
     let dev = SimDevice::new(1 << 30);
     let config = PoolConfig { cross_stream_waits: false, ..PoolConfig::default() };
     let pool = Pool::new(dev.clone(), config).unwrap();
     let (s, t) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
-    let a = pool.alloc(STALLED_BIG, &t).unwrap();
-    let addr = a.device_ptr();
-    drop(a);
+    let addr = on_t(&|| pool.alloc(STALLED_BIG, &t).unwrap().device_ptr());
     let tx = stalled(&dev, &t);
     StalledFree { dev, pool, s, t, addr, tx }
 }
@@ -368,8 +372,8 @@ fn memory_another_stream_freed_is_covered_by_an_event_once_a_placement_meets_it(
 #[test]
 fn records_for_another_streams_placement_are_counted_apart_from_those_for_frees() {
     // The placement for `s` that meets the stalled `t`'s free records `t`'s event (a
-    // hurry): a record made for another stream's placement, on a stream this thread does
-    // not run. The frees of `s` then reach the cadence that records `s`'s own event. Both
+    // hurry, as this thread allocated on `t` too): a record made for another stream's
+    // placement. The frees of `s` then reach the cadence that records `s`'s own event. Both
     // count in `events_recorded`; only the first in `reuse_records`.
     let StalledFree { dev, pool, s, t, tx, .. } = stalled_free();
     let before = pool.stats();
@@ -405,12 +409,7 @@ fn a_placement_asks_the_stream_of_another_thread_for_its_event_and_its_next_free
     // record one on `t` (on a GPU it would wait behind the other thread's launches): it asks,
     // and `t`'s next free records the event, below the cadence of 64 frees. Once `t` has
     // run past it, `s` takes the memory where it is mapped.
-    let dev = SimDevice::new(1 << 30);
-    let config = PoolConfig { cross_stream_waits: false, ..PoolConfig::default() };
-    let pool = Pool::new(dev.clone(), config).unwrap();
-    let (s, t) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
-    let addr = on_another_thread(|| pool.alloc(STALLED_BIG, &t).unwrap().device_ptr());
-    let tx = stalled(&dev, &t);
+    let StalledFree { dev, pool, s, t, addr, tx } = stalled_free_by(|f| on_another_thread(f));
     let before = pool.stats();
     let x = pool.alloc(2 << 20, &s).unwrap();
     let asked = pool.stats();

@@ -30,7 +30,9 @@ Printed per trace: peak physical / peak live, then per pass (maps + remaps) / pe
 
     python3 docs/models/alias_placement.py --split --remap 1e9 --lender low benches/traces/*.gz
 """
-import bisect, gzip, itertools, sys
+import bisect, itertools, sys
+
+from traces import events
 
 P = 2 << 20
 GRANULE = 64 << 10
@@ -40,13 +42,7 @@ TOP = 1 << 44
 
 
 def load(path):
-    ops = []
-    for line in gzip.open(path, 'rt'):
-        if line[0] == 'o':
-            continue
-        op, i, sz, _ = line.strip().split(',')
-        ops.append((op == 'a', int(i), int(sz)))
-    return ops
+    return [(a, i, sz) for a, i, sz, _ in events(path)]
 
 
 def size_class(sz):

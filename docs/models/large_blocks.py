@@ -27,22 +27,13 @@ Usage:
   python3 docs/models/large_blocks.py park 0,512,4096 benches/traces/train_gpt2.csv.gz
 """
 import bisect
-import gzip
 import sys
 from collections import OrderedDict
 
+from traces import events
+
 PAGE = 2 << 20
 GRANULE = 64 << 10
-
-
-def load(path):
-    ops = []
-    for line in gzip.open(path, "rt"):
-        if line[0] == "o":
-            continue
-        op, i, sz, st = line.strip().split(",")
-        ops.append((op == "a", int(i), int(sz), st))
-    return ops
 
 
 def pages_of(a, n):
@@ -237,7 +228,7 @@ def main():
     what, values, paths = sys.argv[1], [int(v) for v in sys.argv[2].split(",")], sys.argv[3:]
     for path in paths:
         name = path.split("/")[-1].split(".")[0]
-        ops = load(path)
+        ops = events(path)
         if what == "pages":
             row = "  ".join(f"{t} MiB {whole_pages(ops, t << 20):.3f}" for t in values)
             print(f"{name:24s} {row}", flush=True)

@@ -28,10 +28,11 @@ use crate::sync::epoch;
 
 /// Why an event is recorded on a stream: for the frees made there (their cadence, a block
 /// used on several streams, the stream's end), or for a placement that waits on those
-/// frees (a hurry, the event a device wait or a host wait needs). The second kind mostly
-/// goes on another stream than the placing thread's, whose owner may be launching work
-/// meanwhile, and on a busy GPU such a record waits for those launches
-/// (`benches/record_threads.cu`): `Stats::reuse_records` counts them apart.
+/// frees (the event a device wait or a host wait needs, and a hurry on a stream the placing
+/// thread allocates on too: [`PoolInner::hurry`]). The second kind mostly goes on another
+/// stream than the placing one, whose owner may be launching work meanwhile, and on a busy
+/// GPU such a record waits for those launches (`benches/record_threads.cu`):
+/// `Stats::reuse_records` counts them apart.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum RecordFor {
     /// The frees made on the stream.
