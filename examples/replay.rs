@@ -29,11 +29,10 @@
 //! - `--no-trade`: `PoolConfig::trade_pages_on_map` off: the pool grows instead of moving
 //!   free pages' memory where a block lands (what a placement alone holds, and its speed).
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use vrampool::replay::{interleave, replay_sim, replay_with, ReplayOptions, Report, Trace};
+use vrampool::replay::{interleave, replay_sim, replay_with, Act, Plan, ReplayOptions, Report, Trace};
 use vrampool::{Device, SimDevice};
 
 #[path = "../benches/support/bestfit.rs"]
@@ -47,25 +46,33 @@ use device::gpu_or_sim;
 #[path = "support/trace_file.rs"]
 mod trace_file;
 
-/// One pass of `trace` through `bf`: the time of its allocations and frees (the blocks left
-/// live at the end are freed untimed, so a second pass starts from an empty pool).
-fn bestfit_pass(bf: &BestFit, trace: &Trace) -> Duration {
-    let mut live: HashMap<u64, (u64, u64)> = HashMap::with_capacity(1024);
+/// One pass of `plan` through `bf`, with the bookkeeping the pool's replay has (the trace's
+/// plan: live blocks by slot): the time of its allocations and frees (the blocks left live
+/// at the end are freed untimed, so a second pass starts from an empty pool).
+fn bestfit_pass(bf: &BestFit, plan: &Plan) -> Duration {
+    let mut live: Vec<Option<(u64, u64)>> = vec![None; plan.slots];
     let start = Instant::now();
-    for op in &trace.ops {
-        if op.alloc {
-            let size = (op.size as u64).max(1);
-            if let Some(addr) = bf.alloc(size) {
-                if let Some((a, s)) = live.insert(op.id, (addr, size)) {
+    for step in &plan.steps {
+        let slot = &mut live[step.slot as usize];
+        match step.act {
+            Act::Alloc { size } => {
+                let size = (size as u64).max(1);
+                if let Some(addr) = bf.alloc(size) {
+                    if let Some((a, s)) = slot.replace((addr, size)) {
+                        bf.free(a, s);
+                    }
+                }
+            }
+            Act::Free => {
+                if let Some((a, s)) = slot.take() {
                     bf.free(a, s);
                 }
             }
-        } else if let Some((a, s)) = live.remove(&op.id) {
-            bf.free(a, s);
+            Act::Skip => {}
         }
     }
     let elapsed = start.elapsed();
-    for (_, (a, s)) in live.drain() {
+    for (a, s) in live.into_iter().flatten() {
         bf.free(a, s);
     }
     elapsed
@@ -181,8 +188,9 @@ fn main() {
             Dev::Sim(d) => replay_sim(trace, d, o),
         };
         let bf = BestFit::new(0, 1 << 48);
-        let bf_cold = bestfit_pass(&bf, trace);
-        let bf_warm = o.warm.then(|| bestfit_pass(&bf, trace));
+        let plan = trace.plan();
+        let bf_cold = bestfit_pass(&bf, &plan);
+        let bf_warm = o.warm.then(|| bestfit_pass(&bf, &plan));
         match r {
             Ok(r) => rows.push((name.clone(), r, bf_cold, bf_warm)),
             Err(e) => {

@@ -19,7 +19,9 @@ use crate::pool::{Block, Pool, PoolConfig};
 use crate::stats::Stats;
 
 mod interleave;
+mod plan;
 pub use interleave::interleave;
+pub use plan::{Act, Plan, Step};
 
 /// One event of a trace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -228,20 +230,16 @@ fn map_totals(pool: &Pool, sim: Option<&SimDevice>) -> (u64, u64) {
 
 fn run(trace: &Trace, device: &Arc<dyn Device>, options: &ReplayOptions, sim: Option<&SimDevice>) -> Result<Report> {
     let pool = Pool::with_device(Arc::clone(device), options.config.clone())?;
-    let mut streams: HashMap<u32, Stream> = HashMap::new();
-    for op in &trace.ops {
-        if let std::collections::hash_map::Entry::Vacant(v) = streams.entry(op.stream) {
-            v.insert(device.create_stream()?);
-        }
-    }
+    let plan = trace.plan();
+    let streams = plan.streams.iter().map(|_| device.create_stream()).collect::<Result<Vec<Stream>>>()?;
     let player = Player { pool: &pool, device: &**device, streams: &streams, options, sim };
-    let (cold, peak_live, left) = player.pass(trace)?;
+    let (cold, peak_live, left) = player.pass(&plan)?;
     drop(left);
     let (mut warm, mut later) = (None, Vec::new());
     let passes = if options.warm { options.warm_passes.max(1) } else { 0 };
     for n in 0..passes {
         player.sync_all()?;
-        let (pass, _, left) = player.pass(trace)?;
+        let (pass, _, left) = player.pass(&plan)?;
         drop(left);
         if n == 0 {
             warm = Some(pass);
@@ -253,7 +251,7 @@ fn run(trace: &Trace, device: &Arc<dyn Device>, options: &ReplayOptions, sim: Op
     let peak_reserved = last.stats.peak_reserved_bytes;
     pool.trim()?;
     pool.check()?;
-    for s in streams.values() {
+    for s in &streams {
         let _ = device.synchronize(s);
     }
     Ok(Report {
@@ -269,21 +267,21 @@ fn run(trace: &Trace, device: &Arc<dyn Device>, options: &ReplayOptions, sim: Op
     })
 }
 
-/// The blocks live at the end of a pass, by id, with the trace stream of each.
-type Live = HashMap<u64, (Block, u32)>;
+/// The blocks live at the end of a pass, by slot (module `plan`), with the lane of each.
+type Live = Vec<Option<(Block, u32)>>;
 
-/// One replay's pool, streams and options.
+/// One replay's pool, streams (by lane) and options.
 struct Player<'a> {
     pool: &'a Pool,
     device: &'a dyn Device,
-    streams: &'a HashMap<u32, Stream>,
+    streams: &'a [Stream],
     options: &'a ReplayOptions,
     sim: Option<&'a SimDevice>,
 }
 
 impl Player<'_> {
     fn sync_all(&self) -> Result<()> {
-        for s in self.streams.values() {
+        for s in self.streams {
             self.device.synchronize(s)?;
         }
         Ok(())
@@ -291,36 +289,43 @@ impl Player<'_> {
 
     /// Play the trace once: the pass, its peak live bytes, and the blocks still live at its
     /// end (the caller frees them).
-    fn pass(&self, trace: &Trace) -> Result<(Pass, u64, Live)> {
+    fn pass(&self, plan: &Plan) -> Result<(Pass, u64, Live)> {
         let (busy, every) = (self.options.busy_us, self.options.sync_every);
         let (mapped0, unmapped0) = map_totals(self.pool, self.sim);
-        let mut live: Live = HashMap::with_capacity(1024);
+        let mut live: Live = std::iter::repeat_with(|| None).take(plan.slots).collect();
         let (mut live_bytes, mut peak_live) = (0u64, 0u64);
         // Device work and synchronizes are the harness's, not the pool's: timed apart and
         // taken out.
         let mut outside = Duration::ZERO;
         let start = Instant::now();
-        for (n, op) in trace.ops.iter().enumerate() {
-            let Some(stream) = self.streams.get(&op.stream) else { continue };
-            if op.alloc {
-                let b = self.pool.alloc(op.size, stream)?;
-                live_bytes += op.size as u64;
-                peak_live = peak_live.max(live_bytes);
-                if let Some((old, _)) = live.insert(op.id, (b, op.stream)) {
-                    // An id allocated twice: the trace lost a free; the older block goes.
-                    live_bytes -= old.len() as u64;
+        for (n, step) in plan.steps.iter().enumerate() {
+            let stream = &self.streams[step.lane as usize];
+            let slot = &mut live[step.slot as usize];
+            match step.act {
+                Act::Alloc { size } => {
+                    let b = self.pool.alloc(size, stream)?;
+                    live_bytes += size as u64;
+                    peak_live = peak_live.max(live_bytes);
+                    if let Some((old, _)) = slot.replace((b, step.lane)) {
+                        // An id allocated twice: the trace lost a free; the older block goes.
+                        live_bytes -= old.len() as u64;
+                    }
+                    if busy > 0 {
+                        let t = Instant::now();
+                        self.device.spin(stream, busy)?;
+                        outside += t.elapsed();
+                    }
                 }
-                if busy > 0 {
-                    let t = Instant::now();
-                    self.device.spin(stream, busy)?;
-                    outside += t.elapsed();
+                Act::Free => {
+                    if let Some((b, home)) = slot.take() {
+                        if home != step.lane {
+                            b.record_stream(stream);
+                        }
+                        live_bytes -= b.len() as u64;
+                        drop(b);
+                    }
                 }
-            } else if let Some((b, home)) = live.remove(&op.id) {
-                if home != op.stream {
-                    b.record_stream(stream);
-                }
-                live_bytes -= b.len() as u64;
-                drop(b);
+                Act::Skip => {}
             }
             if every > 0 && (n + 1) % every == 0 {
                 let t = Instant::now();
@@ -332,7 +337,7 @@ impl Player<'_> {
         let stats = self.pool.stats();
         let (mapped1, unmapped1) = map_totals(self.pool, self.sim);
         let pass = Pass {
-            events: trace.ops.len(),
+            events: plan.steps.len(),
             elapsed,
             mapped_bytes: mapped1.saturating_sub(mapped0),
             unmapped_bytes: unmapped1.saturating_sub(unmapped0),

@@ -3,11 +3,10 @@
 //! `--passes`, the last in the same allocator, then a summary of the traces each peer lost
 //! to vrampool and held more on.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use vrampool::replay::{replay_with, ReplayOptions, Report, Trace};
+use vrampool::replay::{replay_with, Act, Plan, ReplayOptions, Report, Trace};
 use vrampool::{CudaDevice, Device, PoolConfig, Stream};
 
 use super::bestfit::BestFit;
@@ -77,40 +76,43 @@ pub(super) fn load(given: &[String]) -> Vec<Named> {
 }
 
 /// A trace replayed through raw allocators, with the same bookkeeping as `vrampool::replay`
-/// (hash maps of streams and live ids), so the harness costs each allocator the same.
-/// `workers[lanes[stream]]` serves the trace's stream; a free goes to the freeing stream's
-/// worker. Stops early past `cap`. Returns (events done, time including the final syncs).
-fn replay_raw<W: Worker>(
-    trace: &Trace,
-    workers: &mut [W],
-    lanes: &HashMap<u32, usize>,
-    cap: Duration,
-) -> (usize, Duration) {
-    let mut live: HashMap<u64, (W::H, usize)> = HashMap::with_capacity(1024);
+/// (the trace's plan: live blocks in a vector by slot, streams by lane), so the harness
+/// costs each allocator the same, and little. `workers[lane]` serves the trace's stream,
+/// or `workers[0]` every stream with `one_lane`; a free goes to the freeing stream's worker.
+/// Stops early past `cap`. Returns (events done, time including the final syncs).
+fn replay_raw<W: Worker>(plan: &Plan, workers: &mut [W], one_lane: bool, cap: Duration) -> (usize, Duration) {
+    let mut live: Vec<Option<(W::H, usize)>> = std::iter::repeat_with(|| None).take(plan.slots).collect();
     let start = Instant::now();
     let mut done = 0usize;
-    for op in &trace.ops {
+    for step in &plan.steps {
         if done % 256 == 0 && start.elapsed() > cap {
             break;
         }
         done += 1;
-        let Some(&lane) = lanes.get(&op.stream) else { continue };
-        if op.alloc {
-            // A zero-byte request is refused by the driver; one byte stands in for it.
-            let h = workers[lane].alloc(op.size.max(1));
-            if let Some((old, _)) = live.insert(op.id, (h, lane)) {
-                // An id allocated twice: the trace lost a free; the older block goes.
-                workers[lane].free(old);
+        let lane = if one_lane { 0 } else { step.lane as usize };
+        let slot = &mut live[step.slot as usize];
+        match step.act {
+            Act::Alloc { size } => {
+                // A zero-byte request is refused by the driver; one byte stands in for it.
+                let h = workers[lane].alloc(size.max(1));
+                if let Some((old, _)) = slot.replace((h, lane)) {
+                    // An id allocated twice: the trace lost a free; the older block goes.
+                    workers[lane].free(old);
+                }
             }
-        } else if let Some((h, _)) = live.remove(&op.id) {
-            workers[lane].free(h);
+            Act::Free => {
+                if let Some((h, _)) = slot.take() {
+                    workers[lane].free(h);
+                }
+            }
+            Act::Skip => {}
         }
     }
     for w in workers.iter_mut() {
         w.sync();
     }
     let elapsed = start.elapsed();
-    for (_, (h, lane)) in live.drain() {
+    for (h, lane) in live.into_iter().flatten() {
         workers[lane].free(h);
     }
     for w in workers.iter_mut() {
@@ -282,12 +284,8 @@ pub(super) fn replay_all<'t>(setup: &Setup, traces: &'t [Named]) -> Vec<(&'t str
                 mib(peak_live)
             );
         };
-        let mut lanes: HashMap<u32, usize> = HashMap::new();
-        for op in &trace.ops {
-            let n = lanes.len();
-            lanes.entry(op.stream).or_insert(n);
-        }
-        let one_lane: HashMap<u32, usize> = lanes.keys().map(|&k| (k, 0)).collect();
+        let plan = trace.plan();
+        let lanes = plan.streams.len();
 
         // vrampool, through the library's replay.
         let options = ReplayOptions {
@@ -312,7 +310,7 @@ pub(super) fn replay_all<'t>(setup: &Setup, traces: &'t [Named]) -> Vec<(&'t str
                 ns_text(cu_hot_ns)
             );
         } else {
-            let (done, took) = replay_raw(trace, &mut [CuMem], &one_lane, cu_cap);
+            let (done, took) = replay_raw(&plan, &mut [CuMem], true, cu_cap);
             let ns = took.as_nanos() as f64 / done.max(1) as f64;
             let events = if done < trace.ops.len() { format!("{done}*") } else { done.to_string() };
             row(NAMES[1], events, ns, versus(ns, vram_ns), None, None);
@@ -322,12 +320,12 @@ pub(super) fn replay_all<'t>(setup: &Setup, traces: &'t [Named]) -> Vec<(&'t str
         }
 
         // cuMemAllocAsync, one stream per trace stream, from an empty pool.
-        let tstreams: Vec<Stream> = (0..lanes.len()).map(|_| or_die("create a stream", dev.create_stream())).collect();
+        let tstreams: Vec<Stream> = (0..lanes).map(|_| or_die("create a stream", dev.create_stream())).collect();
         mempool.trim();
         mempool.set(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, 0);
         let mut workers: Vec<CuAsync> = tstreams.iter().map(|s| CuAsync::new(dev, s)).collect();
-        let (done, took) = replay_raw(trace, &mut workers, &lanes, Duration::from_secs(600));
-        let warm_ns = last_pass(passes, || replay_raw(trace, &mut workers, &lanes, Duration::from_secs(600)));
+        let (done, took) = replay_raw(&plan, &mut workers, false, Duration::from_secs(600));
+        let warm_ns = last_pass(passes, || replay_raw(&plan, &mut workers, false, Duration::from_secs(600)));
         let high = mempool.get(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH);
         drop(workers);
         for s in &tstreams {
@@ -339,12 +337,11 @@ pub(super) fn replay_all<'t>(setup: &Setup, traces: &'t [Named]) -> Vec<(&'t str
 
         // RMM's, one stream per trace stream, a fresh resource each (made before the clock).
         for (lib, k) in rmm_kinds(rmm_lib) {
-            let tstreams: Vec<Stream> =
-                (0..lanes.len()).map(|_| or_die("create a stream", dev.create_stream())).collect();
+            let tstreams: Vec<Stream> = (0..lanes).map(|_| or_die("create a stream", dev.create_stream())).collect();
             let res = lib.resource(k);
             let mut workers: Vec<rmm::Rmm> = tstreams.iter().map(|s| rmm::Rmm::new(&res, dev, s)).collect();
-            let (done, took) = replay_raw(trace, &mut workers, &lanes, Duration::from_secs(600));
-            let warm_ns = last_pass(passes, || replay_raw(trace, &mut workers, &lanes, Duration::from_secs(600)));
+            let (done, took) = replay_raw(&plan, &mut workers, false, Duration::from_secs(600));
+            let warm_ns = last_pass(passes, || replay_raw(&plan, &mut workers, false, Duration::from_secs(600)));
             drop(workers);
             let peak = res.peak_reserved();
             drop(res);
@@ -365,8 +362,8 @@ pub(super) fn replay_all<'t>(setup: &Setup, traces: &'t [Named]) -> Vec<(&'t str
             );
         } else {
             let mut w = [Bf { bf, high: bf_base }];
-            let (done, took) = replay_raw(trace, &mut w, &one_lane, Duration::from_secs(600));
-            let warm_ns = last_pass(passes, || replay_raw(trace, &mut w, &one_lane, Duration::from_secs(600)));
+            let (done, took) = replay_raw(&plan, &mut w, true, Duration::from_secs(600));
+            let warm_ns = last_pass(passes, || replay_raw(&plan, &mut w, true, Duration::from_secs(600)));
             let ns = took.as_nanos() as f64 / done.max(1) as f64;
             row(NAMES[3], done.to_string(), ns, versus(ns, vram_ns), Some(w[0].high - bf_base), warm_ns);
         }
