@@ -278,16 +278,26 @@ impl Extents {
     }
 
     /// Walk the free runs from word `from` in address order, in granules: `f(start, len)` for
-    /// each maximal run when it ends (stop when `f` says false), or, as soon as the current
-    /// run reaches `stop_at` granules, once for it and stop. Absent chunks count as free
-    /// without being made.
-    fn walk(&self, from: usize, stop_at: u64, f: &mut dyn FnMut(u64, u64) -> bool) {
+    /// each maximal run of at least `min_len` granules when it ends (stop when `f` says
+    /// false), or, as soon as the current run reaches `stop_at` granules, once for it and
+    /// stop. Absent chunks count as free without being made. Returns the first word the walk
+    /// found with a free granule (None if every word it read was full), whatever the runs'
+    /// lengths: where the hint may go.
+    ///
+    /// Runs shorter than `min_len` are passed without a call: a first fit for `k` granules
+    /// gives `k`, and a walk for a large block then passes the short runs of the words it
+    /// reads, and from `min_len` past a word, every run that a word holds inside it, without
+    /// looking at each (train_gpt2's warm passes made a call for each, most of them for runs
+    /// of a few granules).
+    fn walk(&self, from: usize, stop_at: u64, min_len: u64, f: &mut dyn FnMut(u64, u64) -> bool) -> Option<usize> {
         let (mut start, mut len) = (0u64, 0u64);
+        let mut first = None;
         let mut i = from;
         while i < self.words {
             let chunk_end = ((i / CHUNK + 1) * CHUNK).min(self.words);
             let Some(chunk) = self.bits.chunk(i / CHUNK) else {
                 // An absent chunk: all free, up to the end of the range.
+                first.get_or_insert(i);
                 let g = i as u64 * BITS;
                 if len == 0 {
                     start = g;
@@ -295,7 +305,7 @@ impl Extents {
                 len += (chunk_end as u64 * BITS).min(self.granules) - g;
                 if len >= stop_at {
                     f(start, len);
-                    return;
+                    return first;
                 }
                 i = chunk_end;
                 continue;
@@ -317,6 +327,9 @@ impl Extents {
                 }
                 let taken = chunk.get(i % CHUNK).map_or(u64::MAX, |w| w.load(Ordering::Acquire)) | self.past_end(i);
                 let g = i as u64 * BITS;
+                if taken != u64::MAX {
+                    first.get_or_insert(i);
+                }
                 i += 1;
                 if taken == 0 {
                     if len == 0 {
@@ -325,7 +338,7 @@ impl Extents {
                     len += BITS;
                     if len >= stop_at {
                         f(start, len);
-                        return;
+                        return first;
                     }
                     continue;
                 }
@@ -340,7 +353,7 @@ impl Extents {
                         len += z;
                         if len >= stop_at {
                             f(start, len);
-                            return;
+                            return first;
                         }
                         pos += z;
                         if pos >= BITS {
@@ -348,19 +361,25 @@ impl Extents {
                         }
                     }
                     // The bit at `pos` is taken: the run, if any, ends here.
-                    if len > 0 {
-                        if !f(start, len) {
-                            return;
-                        }
-                        len = 0;
+                    if len >= min_len && len > 0 && !f(start, len) {
+                        return first;
                     }
-                    pos += u64::from((taken >> pos).trailing_ones());
+                    len = 0;
+                    pos = if min_len > BITS {
+                        // Every run from here to the word's top free bits lies inside the
+                        // word, shorter than `min_len`: on to those bits (none when its top
+                        // bit is taken).
+                        BITS - u64::from(taken.leading_zeros())
+                    } else {
+                        pos + u64::from((taken >> pos).trailing_ones())
+                    };
                 }
             }
         }
-        if len > 0 {
+        if len >= min_len && len > 0 {
             f(start, len);
         }
+        first
     }
 
     /// Lower the hint to at most word `i`, bumping its sequence so no walk that started
@@ -572,7 +591,7 @@ impl Extents {
                 *best = Some((rating, c));
             }
         };
-        self.walk(from, u64::MAX, &mut |s, l| {
+        self.walk(from, u64::MAX, k, &mut |s, l| {
             let end = s + l;
             let mut c = s;
             while c + k <= end {
@@ -652,11 +671,8 @@ impl Extents {
         // A run this long holds an aligned candidate wherever it starts, also when the first
         // word's part before `restart` is cut off it (less than a word).
         let stop_at = k + align - 1 + if restart.is_some() { BITS } else { 0 };
-        let (mut first, mut fit) = (None, Fit::None);
-        self.walk(from, stop_at, &mut |s, l| {
-            if restart.is_none() {
-                first.get_or_insert(s);
-            }
+        let mut fit = Fit::None;
+        let first = self.walk(from, stop_at, k, &mut |s, l| {
             let end = s + l;
             let mut c = s.max(min_start).next_multiple_of(align);
             while c + k <= end {
@@ -676,7 +692,7 @@ impl Extents {
             true
         });
         if restart.is_none() {
-            let to = first.map_or(self.words, |s| (s / BITS) as usize);
+            let to = first.unwrap_or(self.words);
             if to as u64 > seen & HINT_INDEX {
                 // Only from the value read before the walk: fails if a free lowered it meanwhile.
                 let _ = self.hint.compare_exchange(
@@ -758,7 +774,7 @@ impl Extents {
     /// The largest run of free bytes (0 if none): a walk, exact when quiet.
     pub fn largest_free(&self) -> u64 {
         let mut best = 0;
-        self.walk(0, u64::MAX, &mut |_, l| {
+        self.walk(0, u64::MAX, 1, &mut |_, l| {
             best = best.max(l);
             true
         });
@@ -768,7 +784,7 @@ impl Extents {
     /// Call `f(addr, len)` on every maximal free run, lowest first, up to the end of the
     /// range (chunks never touched included, and not made): a walk, exact when quiet.
     pub fn for_each_free(&self, mut f: impl FnMut(u64, u64)) {
-        self.walk(0, u64::MAX, &mut |s, l| {
+        self.walk(0, u64::MAX, 1, &mut |s, l| {
             f(self.base + (s << self.shift), l << self.shift);
             true
         });

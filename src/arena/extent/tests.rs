@@ -472,3 +472,39 @@ fn threads_allocating_and_freeing_never_overlap() {
     assert_eq!(runs(&e), vec![(1 << 40, range)]);
     assert_eq!(e.flight.in_flight.load(Ordering::Acquire), 0);
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// A walk for runs of `k` granules or more reports exactly the runs of that length a full
+    /// walk reports, and finds the same first word with a free granule (where the hint goes),
+    /// whether `k` fits in a word or not.
+    #[test]
+    fn a_walk_for_long_runs_reports_the_long_runs_of_a_full_walk(
+        taken in prop::collection::vec((0u64..N as u64, 1u64..200), 0..120),
+        k in prop_oneof![1u64..64, 64u64..200],
+        from in 0usize..(N / 64),
+    ) {
+        let e = Extents::new(0, RANGE, G).unwrap();
+        for (s, l) in taken {
+            let l = l.min(N as u64 - s);
+            // Overlapping picks are skipped: the claim fails on a taken granule.
+            let _ = e.claim(s, l);
+        }
+        let mut all = vec![];
+        let first_all = e.walk(from, u64::MAX, 1, &mut |s, l| {
+            all.push((s, l));
+            true
+        });
+        let mut long = vec![];
+        let first_long = e.walk(from, u64::MAX, k, &mut |s, l| {
+            long.push((s, l));
+            true
+        });
+        all.retain(|&(_, l)| l >= k);
+        prop_assert_eq!(long, all);
+        prop_assert_eq!(first_long, first_all);
+        let word_with_free = (from..e.words).find(|&i| e.word(i, false).map_or(0, |w| w.load(Ordering::Acquire)) != u64::MAX);
+        prop_assert_eq!(first_all, word_with_free);
+    }
+}
