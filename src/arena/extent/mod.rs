@@ -284,11 +284,11 @@ impl Extents {
     /// found with a free granule (None if every word it read was full), whatever the runs'
     /// lengths: where the hint may go.
     ///
-    /// Runs shorter than `min_len` are passed without a call: a first fit for `k` granules
-    /// gives `k`, and a walk for a large block then passes the short runs of the words it
-    /// reads, and from `min_len` past a word, every run that a word holds inside it, without
-    /// looking at each (train_gpt2's warm passes made a call for each, most of them for runs
-    /// of a few granules).
+    /// Runs shorter than `min_len` are not handed to `f` (a first fit for `k` granules
+    /// passes `k`; a large block's walk used to call `f` for every short run it passed, most
+    /// of a few granules on train_gpt2's warm passes). With `min_len` longer than a word, the
+    /// runs held inside a word are skipped whole: only the free bits at a word's two ends can
+    /// belong to a run that long.
     fn walk(&self, from: usize, stop_at: u64, min_len: u64, f: &mut dyn FnMut(u64, u64) -> bool) -> Option<usize> {
         let (mut start, mut len) = (0u64, 0u64);
         let mut first = None;
