@@ -133,8 +133,8 @@ pub struct Stats {
     /// `events_recorded` too): the events a device wait or the ladder's host wait needs, and
     /// a hurry, when a placement meets memory another stream freed that no event covers yet
     /// on a stream the placing thread allocates on too (other streams are asked instead:
-    /// `records_asked`). Most go on another stream than the placing one, whose owner may be launching
-    /// work meanwhile: on a busy GPU such a record waits for those launches
+    /// `records_asked`). Most go on another stream than the placing one, whose owner may be
+    /// launching work meanwhile: on a busy GPU such a record waits for those launches
     /// (`benches/record_threads.cu`), where a record on the caller's own stream does not.
     pub reuse_records: u64,
     /// Nanoseconds of `record_ns` spent on `reuse_records`.

@@ -290,6 +290,7 @@ impl Extents {
     /// runs held inside a word are skipped whole: only the free bits at a word's two ends can
     /// belong to a run that long.
     fn walk(&self, from: usize, stop_at: u64, min_len: u64, f: &mut dyn FnMut(u64, u64) -> bool) -> Option<usize> {
+        debug_assert!(min_len > 0, "a run is at least a granule");
         let (mut start, mut len) = (0u64, 0u64);
         let mut first = None;
         let mut i = from;
@@ -361,7 +362,7 @@ impl Extents {
                         }
                     }
                     // The bit at `pos` is taken: the run, if any, ends here.
-                    if len >= min_len && len > 0 && !f(start, len) {
+                    if len >= min_len && !f(start, len) {
                         return first;
                     }
                     len = 0;
@@ -376,7 +377,7 @@ impl Extents {
                 }
             }
         }
-        if len >= min_len && len > 0 {
+        if len >= min_len {
             f(start, len);
         }
         first
