@@ -146,10 +146,19 @@ impl std::fmt::Debug for Extents {
 enum Fit {
     /// A candidate run starting at this granule.
     At(u64),
-    /// The walk stopped inside a long run before finding one: walk again from this granule.
-    RestartAt(u64),
     /// Nothing from where the walk started.
     None,
+}
+
+/// What a walk's closure says about the run it was handed.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Next {
+    /// The walk is over.
+    Stop,
+    /// Walk on past the run.
+    On,
+    /// Drop the run and walk on from this granule, past the run's start.
+    From(u64),
 }
 
 /// Marks a claim or a free from `enter` to drop, so a failing walk knows bits may change.
@@ -277,110 +286,138 @@ impl Extents {
         }
     }
 
-    /// Walk the free runs from word `from` in address order, in granules: `f(start, len)` for
-    /// each maximal run of at least `min_len` granules when it ends (stop when `f` says
-    /// false), or, as soon as the current run reaches `stop_at` granules, once for it and
-    /// stop. Absent chunks count as free without being made. Returns the first word the walk
-    /// found with a free granule (None if every word it read was full), whatever the runs'
-    /// lengths: where the hint may go.
+    /// Walk the free runs from granule `from` in address order, in granules: `f(start, len)`
+    /// for each maximal run of at least `min_len` granules when it ends, or, as soon as the
+    /// current run reaches `stop_at` granules, once for it. What `f` answers ([`Next`]): stop;
+    /// walk on (past a run that ended; a run handed at `stop_at` stops the walk all the same);
+    /// or drop the run and walk on from a granule past its start. Absent chunks count as free
+    /// without being made. Returns the first word the walk found with a free granule (None if
+    /// every word it read was full), whatever the runs' lengths: where the hint may go.
     ///
     /// Runs shorter than `min_len` are not handed to `f` (a first fit for `k` granules
     /// passes `k`; a large block's walk used to call `f` for every short run it passed, most
     /// of a few granules on train_gpt2's warm passes). With `min_len` longer than a word, the
     /// runs held inside a word are skipped whole: only the free bits at a word's two ends can
     /// belong to a run that long.
-    fn walk(&self, from: usize, stop_at: u64, min_len: u64, f: &mut dyn FnMut(u64, u64) -> bool) -> Option<usize> {
+    ///
+    /// `Next::From` is how a first fit passes what its judge refuses without leaving the walk.
+    /// Past a refused candidate the judge often names a granule beyond the run handed at
+    /// `stop_at` (a row of dormant pages, say), and each such answer used to end the walk for
+    /// another to start there: on threads_streams' warm pass, four walks a placement.
+    fn walk(&self, from: u64, stop_at: u64, min_len: u64, f: &mut dyn FnMut(u64, u64) -> Next) -> Option<usize> {
         debug_assert!(min_len > 0, "a run is at least a granule");
         let (mut start, mut len) = (0u64, 0u64);
         let mut first = None;
-        let mut i = from;
-        while i < self.words {
-            let chunk_end = ((i / CHUNK + 1) * CHUNK).min(self.words);
-            let Some(chunk) = self.bits.chunk(i / CHUNK) else {
-                // An absent chunk: all free, up to the end of the range.
-                first.get_or_insert(i);
-                let g = i as u64 * BITS;
-                if len == 0 {
-                    start = g;
-                }
-                len += (chunk_end as u64 * BITS).min(self.granules) - g;
-                if len >= stop_at {
-                    f(start, len);
-                    return first;
-                }
-                i = chunk_end;
-                continue;
-            };
-            while i < chunk_end {
-                if len == 0 {
-                    // Outside a run, full words are passed in a tight loop: in a packed pool
-                    // most of a walk's words are full (three in four on train_gpt2's warm
-                    // pass). A word past the end is never full (its bits past the last
-                    // granule stay clear), so it goes the long way below.
-                    let base = i / CHUNK * CHUNK;
-                    i += chunk[i - base..chunk_end - base]
-                        .iter()
-                        .take_while(|w| w.load(Ordering::Acquire) == u64::MAX)
-                        .count();
-                    if i == chunk_end {
-                        break;
+        // Granules below this one read as taken: where the walk (re)starts.
+        let mut floor = from;
+        let mut i = (from / BITS) as usize;
+        // `Next::From(g)`: drop the run, go on from granule `g`; else whether to stop.
+        macro_rules! answer {
+            ($walk:lifetime, $next:expr, $stop:expr) => {
+                match $next {
+                    Next::From(g) => {
+                        debug_assert!(g > start, "a walk moves on");
+                        (len, floor, i) = (0, g, (g / BITS) as usize);
+                        continue $walk;
                     }
+                    Next::Stop => return first,
+                    Next::On if $stop => return first,
+                    Next::On => {}
                 }
-                let taken = chunk.get(i % CHUNK).map_or(u64::MAX, |w| w.load(Ordering::Acquire)) | self.past_end(i);
-                let g = i as u64 * BITS;
-                if taken != u64::MAX {
+            };
+        }
+        'range: loop {
+            'walk: while i < self.words {
+                let chunk_end = ((i / CHUNK + 1) * CHUNK).min(self.words);
+                let Some(chunk) = self.bits.chunk(i / CHUNK) else {
+                    // An absent chunk: all free, up to the end of the range.
                     first.get_or_insert(i);
-                }
-                i += 1;
-                if taken == 0 {
+                    let g = (i as u64 * BITS).max(floor);
                     if len == 0 {
                         start = g;
                     }
-                    len += BITS;
+                    len += (chunk_end as u64 * BITS).min(self.granules) - g;
+                    i = chunk_end;
                     if len >= stop_at {
-                        f(start, len);
-                        return first;
+                        answer!('walk, f(start, len), true);
                     }
                     continue;
-                }
-                let mut pos = 0u64;
-                while pos < BITS {
-                    // Free bits from `pos` (all the rest when nothing above is taken).
-                    let z = u64::from((taken >> pos).trailing_zeros()).min(BITS - pos);
-                    if z > 0 {
+                };
+                while i < chunk_end {
+                    if len == 0 {
+                        // Outside a run, full words are passed in a tight loop: in a packed pool
+                        // most of a walk's words are full (three in four on train_gpt2's warm
+                        // pass). A word past the end is never full (its bits past the last
+                        // granule stay clear), so it goes the long way below.
+                        let base = i / CHUNK * CHUNK;
+                        i += chunk[i - base..chunk_end - base]
+                            .iter()
+                            .take_while(|w| w.load(Ordering::Acquire) == u64::MAX)
+                            .count();
+                        if i == chunk_end {
+                            break;
+                        }
+                    }
+                    let g = i as u64 * BITS;
+                    let below = if floor > g { (1u64 << (floor - g)) - 1 } else { 0 };
+                    let taken = chunk.get(i % CHUNK).map_or(u64::MAX, |w| w.load(Ordering::Acquire)) | self.past_end(i);
+                    if taken != u64::MAX {
+                        first.get_or_insert(i);
+                    }
+                    let taken = taken | below;
+                    i += 1;
+                    if taken == 0 {
                         if len == 0 {
-                            start = g + pos;
+                            start = g;
                         }
-                        len += z;
+                        len += BITS;
                         if len >= stop_at {
-                            f(start, len);
-                            return first;
+                            answer!('walk, f(start, len), true);
                         }
-                        pos += z;
-                        if pos >= BITS {
-                            break; // the run may go on into the next word
+                        continue;
+                    }
+                    let mut pos = 0u64;
+                    while pos < BITS {
+                        // Free bits from `pos` (all the rest when nothing above is taken).
+                        let z = u64::from((taken >> pos).trailing_zeros()).min(BITS - pos);
+                        if z > 0 {
+                            if len == 0 {
+                                start = g + pos;
+                            }
+                            len += z;
+                            if len >= stop_at {
+                                answer!('walk, f(start, len), true);
+                            }
+                            pos += z;
+                            if pos >= BITS {
+                                break; // the run may go on into the next word
+                            }
                         }
+                        // The bit at `pos` is taken: the run, if any, ends here.
+                        if len >= min_len {
+                            answer!('walk, f(start, len), false);
+                        }
+                        len = 0;
+                        pos = if min_len > BITS {
+                            // Every run from here to the word's top free bits lies inside the
+                            // word, shorter than `min_len`: on to those bits (none when its top
+                            // bit is taken).
+                            BITS - u64::from(taken.leading_zeros())
+                        } else {
+                            pos + u64::from((taken >> pos).trailing_ones())
+                        };
                     }
-                    // The bit at `pos` is taken: the run, if any, ends here.
-                    if len >= min_len && !f(start, len) {
-                        return first;
-                    }
-                    len = 0;
-                    pos = if min_len > BITS {
-                        // Every run from here to the word's top free bits lies inside the
-                        // word, shorter than `min_len`: on to those bits (none when its top
-                        // bit is taken).
-                        BITS - u64::from(taken.leading_zeros())
-                    } else {
-                        pos + u64::from((taken >> pos).trailing_ones())
-                    };
                 }
             }
+            if len >= min_len {
+                // The range's end.
+                if let Next::From(g) = f(start, len) {
+                    (len, floor, i) = (0, g, (g / BITS) as usize);
+                    continue 'range;
+                }
+            }
+            return first;
         }
-        if len >= min_len {
-            f(start, len);
-        }
-        first
     }
 
     /// Lower the hint to at most word `i`, bumping its sequence so no walk that started
@@ -475,14 +512,7 @@ impl Extents {
     /// or above, whoever's memory it was: one walk, claiming nothing, a snapshot of a moment.
     pub fn has_room_above(&self, bytes: u64, align: u64, floor: u64) -> bool {
         let (Some(k), Some(g)) = (self.granules_for(bytes, align), self.floor_granule(floor)) else { return false };
-        let mut restart = Some(g);
-        loop {
-            match self.first_fit_with(k, align, restart, &mut |_| Ok(())) {
-                Fit::At(_) => return true,
-                Fit::RestartAt(c) => restart = Some(c),
-                Fit::None => return false,
-            }
-        }
+        matches!(self.first_fit_with(k, align, Some(g), &mut |_| Ok(())), Fit::At(_))
     }
 
     /// The granules a request of `bytes` aligned to `align` granules takes, if one can be
@@ -537,10 +567,6 @@ impl Extents {
                         continue;
                     }
                 },
-                Fit::RestartAt(g) => {
-                    restart = Some(g);
-                    continue;
-                }
                 Fit::None => {}
             }
             fence(Ordering::SeqCst);
@@ -592,7 +618,7 @@ impl Extents {
                 *best = Some((rating, c));
             }
         };
-        self.walk(from, u64::MAX, k, &mut |s, l| {
+        self.walk(from as u64 * BITS, u64::MAX, k, &mut |s, l| {
             let end = s + l;
             let mut c = s;
             while c + k <= end {
@@ -609,7 +635,7 @@ impl Extents {
             if l > k && far > c && end < self.granules && accept(self.base + (far << self.shift), len).is_ok() {
                 consider(far, l, &mut best);
             }
-            true
+            Next::On
         });
         if let Some(Ok(addr)) = best.map(|(_, start)| self.claim_accepted(start, k, accept)) {
             return Some(addr);
@@ -663,34 +689,29 @@ impl Extents {
         accept: &mut dyn FnMut(u64) -> Result<(), u64>,
     ) -> Fit {
         let seen = self.hint.load(Ordering::Acquire);
-        let hint = (seen & HINT_INDEX) as usize;
-        let min_start = restart.unwrap_or(0);
-        let from = match restart {
-            Some(g) => ((g / BITS) as usize).max(hint),
-            None => hint,
-        };
-        // A run this long holds an aligned candidate wherever it starts, also when the first
-        // word's part before `restart` is cut off it (less than a word).
-        let stop_at = k + align - 1 + if restart.is_some() { BITS } else { 0 };
+        let from = ((seen & HINT_INDEX) * BITS).max(restart.unwrap_or(0));
+        // A run this long holds an aligned candidate wherever it starts.
+        let stop_at = k + align - 1;
         let mut fit = Fit::None;
         let first = self.walk(from, stop_at, k, &mut |s, l| {
             let end = s + l;
-            let mut c = s.max(min_start).next_multiple_of(align);
+            let mut c = s.next_multiple_of(align);
             while c + k <= end {
                 match accept(c) {
                     Ok(()) => {
                         fit = Fit::At(c);
-                        return false;
+                        return Next::Stop;
                     }
                     Err(next) => c = next.max(c + 1).next_multiple_of(align),
                 }
             }
-            if l >= stop_at {
-                // The walk stops at a run this long, which may go on past `end`: resume there.
-                fit = Fit::RestartAt(c);
-                return false;
+            // Past what `accept` refused: a run handed at `stop_at` may go on past `end`, and
+            // a refusal may reach past the run's end (pages that serve no block now).
+            if l >= stop_at || c > end {
+                Next::From(c)
+            } else {
+                Next::On
             }
-            true
         });
         if restart.is_none() {
             let to = first.unwrap_or(self.words);
@@ -777,7 +798,7 @@ impl Extents {
         let mut best = 0;
         self.walk(0, u64::MAX, 1, &mut |_, l| {
             best = best.max(l);
-            true
+            Next::On
         });
         best << self.shift
     }
@@ -787,7 +808,7 @@ impl Extents {
     pub fn for_each_free(&self, mut f: impl FnMut(u64, u64)) {
         self.walk(0, u64::MAX, 1, &mut |s, l| {
             f(self.base + (s << self.shift), l << self.shift);
-            true
+            Next::On
         });
     }
 }

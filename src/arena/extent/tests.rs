@@ -492,19 +492,96 @@ proptest! {
             let _ = e.claim(s, l);
         }
         let mut all = vec![];
-        let first_all = e.walk(from, u64::MAX, 1, &mut |s, l| {
+        let first_all = e.walk(from as u64 * BITS, u64::MAX, 1, &mut |s, l| {
             all.push((s, l));
-            true
+            Next::On
         });
         let mut long = vec![];
-        let first_long = e.walk(from, u64::MAX, k, &mut |s, l| {
+        let first_long = e.walk(from as u64 * BITS, u64::MAX, k, &mut |s, l| {
             long.push((s, l));
-            true
+            Next::On
         });
         all.retain(|&(_, l)| l >= k);
         prop_assert_eq!(long, all);
         prop_assert_eq!(first_long, first_all);
         let word_with_free = (from..e.words).find(|&i| e.word(i, false).map_or(0, |w| w.load(Ordering::Acquire)) != u64::MAX);
         prop_assert_eq!(first_all, word_with_free);
+    }
+
+    /// A walk told to go on from a granule past a run's start reports from there exactly what
+    /// a walk starting at that granule reports: the run it dropped is gone, the bits below the
+    /// granule read as taken, and nothing past it is lost.
+    #[test]
+    fn a_walk_that_goes_on_from_a_granule_reports_what_a_walk_from_there_reports(
+        taken in prop::collection::vec((0u64..N as u64, 1u64..200), 0..120),
+        k in prop_oneof![1u64..64, 64u64..200],
+        from in 0u64..N as u64,
+        ahead in 1u64..300,
+    ) {
+        let e = Extents::new(0, RANGE, G).unwrap();
+        for (s, l) in taken {
+            let _ = e.claim(s, l.min(N as u64 - s));
+        }
+        let (mut seen, mut jumped_to, mut lowest) = (vec![], None, u64::MAX);
+        e.walk(from, u64::MAX, k, &mut |s, l| {
+            lowest = lowest.min(s);
+            if jumped_to.is_none() {
+                jumped_to = Some(s + ahead);
+                return Next::From(s + ahead);
+            }
+            seen.push((s, l));
+            Next::On
+        });
+        prop_assert!(lowest >= from, "a run below where the walk began");
+        let mut after = vec![];
+        if let Some(g) = jumped_to {
+            e.walk(g, u64::MAX, k, &mut |s, l| {
+                after.push((s, l));
+                Next::On
+            });
+        }
+        prop_assert_eq!(seen, after);
+    }
+
+    /// A first fit whose judge refuses blocks over some granules (and, as the pool's judge
+    /// does past a row of dormant pages, names the end of the refused stretch, however far
+    /// past the block) takes the lowest aligned run of `k` free granules with none of them:
+    /// the answers that reach past the run the walk handed it do not lose a candidate.
+    #[test]
+    fn a_first_fit_past_refused_stretches_takes_the_lowest_run_the_judge_takes(
+        taken in prop::collection::vec((0u64..N as u64, 1u64..100), 0..60),
+        refused in prop::collection::vec((0u64..N as u64, 1u64..300), 0..30),
+        k in prop_oneof![1u64..64, 64u64..200],
+        align in prop_oneof![Just(1u64), Just(4), Just(32)],
+    ) {
+        let n = N as u64;
+        let e = Extents::new(0, RANGE, G).unwrap();
+        let mut used = vec![false; N];
+        for (s, l) in taken {
+            let l = l.min(n - s);
+            if e.claim(s, l) {
+                used[s as usize..(s + l) as usize].iter_mut().for_each(|u| *u = true);
+            }
+        }
+        let mut bad = vec![false; N];
+        for (s, l) in refused {
+            bad[s as usize..(s + l).min(n) as usize].iter_mut().for_each(|b| *b = true);
+        }
+        let expected = (0..n)
+            .step_by(align as usize)
+            .take_while(|&c| c + k <= n)
+            .find(|&c| (c..c + k).all(|g| !used[g as usize] && !bad[g as usize]));
+        let mut judge = |addr: u64, len: u64| -> std::result::Result<(), u64> {
+            let (a, b) = (addr / G, (addr + len) / G);
+            match (a..b).find(|&g| bad[g as usize]) {
+                None => Ok(()),
+                Some(g) => {
+                    let end = (g..n).find(|&h| !bad[h as usize]).unwrap_or(n);
+                    Err(end * G - 1)
+                }
+            }
+        };
+        let got = e.alloc_with(k * G, align, &mut judge).map(|a| a / G);
+        prop_assert_eq!(got, expected);
     }
 }
