@@ -77,6 +77,8 @@ pub(crate) fn light_fence() {
 /// false if the ordering cannot be guaranteed (no membarrier here, or the call failed): the
 /// caller must then not rely on it.
 pub(crate) fn heavy_fence() -> bool {
+    #[cfg(all(test, not(loom)))]
+    HEAVY_FENCES.with(|n| n.set(n.get() + 1));
     #[cfg(not(loom))]
     {
         membarrier::available() && membarrier::barrier()
@@ -86,6 +88,13 @@ pub(crate) fn heavy_fence() -> bool {
         atomic::fence(atomic::Ordering::SeqCst);
         true
     }
+}
+
+#[cfg(all(test, not(loom)))]
+std::thread_local! {
+    /// The [`heavy_fence`]s this thread asked for: each interrupts every core running the
+    /// process, and tests check which paths need none.
+    pub(crate) static HEAVY_FENCES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 #[cfg(not(loom))]

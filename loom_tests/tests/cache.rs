@@ -234,6 +234,28 @@ fn a_waiting_reader_always_gets_in_and_never_beside_the_owner() {
     });
 }
 
+/// The owner takes its own cache (as the ladder's idle-cache rung and the trim do, looking
+/// at every cache) without the thief's barrier, while a thief on another thread steals it.
+/// Made on this thread, so this thread is the owner: its own operation and its take are
+/// ordered by program order, and the two takes by the `steal` flag. loom's cell checking
+/// fails any run where two of them touch the magazines at once (with the owner's take
+/// skipping the `steal` flag too, this model fails); each block ends in exactly one place.
+#[test]
+fn an_owner_taking_its_own_cache_unfenced_races_a_thief_safely() {
+    loom::model(|| {
+        let world = Handshake::new();
+        let thief = {
+            let world = world.share();
+            thread::spawn(move || world.take(|cs, f| cs.try_steal(f)))
+        };
+        let in_hands = world.owner_turn();
+        // SAFETY: this thread made the cache and is the only one to enter it.
+        world.take(|cs, f| unsafe { cs.take_own_or_steal(f) });
+        thief.join().unwrap();
+        world.check(in_hands);
+    });
+}
+
 /// The part of a thread that owns a cache, kept in a loom thread-local as the pool keeps
 /// its `ThreadCache`s: dropped at thread exit, it flushes the cache (full magazines to the
 /// depot, the rest to the stream's retire queue) and marks it let go.

@@ -37,6 +37,13 @@
 //! magazines. The trim and the out-of-memory ladder still skip busy caches: they want
 //! idle memory, not to stall a working thread.
 //!
+//! The owner's own thread may take the cache between its operations as a thief would (the
+//! ladder and the trim look at every cache): it raises `steal` against other thieves but
+//! makes no barrier, since its own flag and magazines are ordered with it by program order
+//! ([`CacheShared::take_own_or_steal`]; loom:
+//! `an_owner_taking_its_own_cache_unfenced_races_a_thief_safely`). That rests on the cache
+//! being entered only by the thread that made it, as every cache of a pool is.
+//!
 //! Counters are written only by whoever holds the magazines (the owner inside an operation,
 //! or a thief that won the handshake) with plain relaxed load + store, and read by
 //! `stats()` at any time: a snapshot, exact when the pool is quiet.
@@ -577,7 +584,25 @@ impl CacheShared {
     /// thief holds it). On success run `f` with the magazines held, then let go; returns
     /// whether `f` ran.
     pub fn try_steal(&self, f: impl FnOnce(&Self)) -> bool {
-        self.steal_with(f, || false)
+        self.steal_with(f, || false, true)
+    }
+
+    /// [`CacheShared::try_steal`] for a caller that may be the cache's owner (the ladder and
+    /// the trim look at every cache, their own thread's among them). The owner's take needs
+    /// no barrier: its own operations are ordered with it by program order, and other
+    /// thieves by the `steal` flag. The barrier interrupts every core running the process,
+    /// and the ladder's idle-cache rung found its own thread's cache on most visits: on the
+    /// random window, 228 `membarrier` calls in 600,000 pairs on two threads, 563 in
+    /// 1,200,000 on four (`docs/BENCHMARKS.md`, thirty-ninth session). Another thread's
+    /// cache is stolen as `try_steal` does.
+    ///
+    /// # Safety
+    /// The cache is entered (its owner's operations) only by the thread that made it, as
+    /// every cache a pool registers is: a `ThreadCache` is made on its thread, is not `Send`,
+    /// and is reached only through that thread's locals.
+    pub unsafe fn take_own_or_steal(&self, f: impl FnOnce(&Self)) -> bool {
+        let own = self.owner == current_thread().id();
+        self.steal_with(f, || false, !own)
     }
 
     /// As a reader that must see this cache (a snapshot): take the handshake, waiting for
@@ -594,13 +619,13 @@ impl CacheShared {
             // The owner may be inside an operation further up its own stack.
             return self.try_steal(f);
         }
-        self.steal_with(f, patient)
+        self.steal_with(f, patient, true)
     }
 
-    /// The thief's side of the handshake: raise `steal`, fence, and run `f` once `in_use`
-    /// is down, asking `patient` before each further look at either flag (never patient:
-    /// one look each).
-    fn steal_with(&self, f: impl FnOnce(&Self), mut patient: impl FnMut() -> bool) -> bool {
+    /// The thief's side of the handshake: raise `steal`, fence (unless the caller is the
+    /// owner, with `fence` false), and run `f` once `in_use` is down, asking `patient`
+    /// before each further look at either flag (never patient: one look each).
+    fn steal_with(&self, f: impl FnOnce(&Self), mut patient: impl FnMut() -> bool, fence: bool) -> bool {
         // Another thief (a trim, a ladder taking idle caches) holds the flag only while it
         // moves the magazines. Read before each swap: a waiter writes the flag (and takes
         // its line from that thief) only when it may win it.
@@ -610,7 +635,7 @@ impl CacheShared {
             }
             crate::sync::yield_now();
         }
-        if !heavy_fence() {
+        if fence && !heavy_fence() {
             self.steal.store(false, Ordering::Release);
             return false;
         }

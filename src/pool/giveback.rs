@@ -84,11 +84,14 @@ impl PoolInner {
                 continue;
             }
             let mut out = Vec::new();
-            let took = shared.try_steal(|c| {
-                // SAFETY: try_steal holds the handshake while this runs.
+            let take = |c: &crate::cache::thread::CacheShared| {
+                // SAFETY: the take holds the handshake while this runs.
                 unsafe { c.drain(&st.depots, false, |cl, a| out.push((cl, a)), &guard) };
                 self.release_budget(c);
-            });
+            };
+            // SAFETY: every registered cache is entered only by the thread that made it
+            // (`ThreadCache::new` registers it on its own thread; the cache never leaves).
+            let took = unsafe { shared.take_own_or_steal(take) };
             missed += usize::from(!took);
             taken += out.len() as u64;
             self.free_cached(st, out);

@@ -177,6 +177,28 @@ fn a_thief_takes_an_idle_cache_but_not_a_busy_one() {
     c.exit();
 }
 
+#[test]
+fn only_a_thief_on_another_thread_interrupts_every_core_to_take_a_cache() {
+    let fences = || crate::sync::HEAVY_FENCES.with(|n| n.get());
+    let c = std::sync::Arc::new(CacheShared::new(1));
+    let before = fences();
+    // SAFETY: this thread made the cache and is the only one to enter it.
+    assert!(unsafe { c.take_own_or_steal(|_| {}) }, "the owner takes its own idle cache");
+    assert_eq!(fences(), before, "the owner is ordered with itself: no barrier");
+    assert!(c.enter());
+    // SAFETY: as above.
+    assert!(!unsafe { c.take_own_or_steal(|_| {}) }, "not from inside its own operation");
+    c.exit();
+    let thief = std::sync::Arc::clone(&c);
+    let fenced = std::thread::spawn(move || {
+        let before = fences();
+        // SAFETY: the cache's maker (the test's thread) is the only one to enter it.
+        assert!(unsafe { thief.take_own_or_steal(|_| {}) }, "the owner is between operations");
+        fences() - before
+    });
+    assert_eq!(fenced.join().unwrap(), 1, "another thread must fence the owner's flag");
+}
+
 /// A cache of `classes` classes holding one block of each `(class, addr)`, the block of
 /// class `c` being `SIZE << c` bytes, and with `within` as every class's reach.
 fn holding(classes: usize, within: usize, blocks: &[(usize, u64)]) -> CacheShared {
