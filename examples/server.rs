@@ -351,7 +351,9 @@ fn main() {
         stats.events_recorded,
         stats.ooms,
     );
-    let rungs: Vec<String> = stats.ladder_rungs.iter().enumerate().map(|(i, n)| format!("{}: {n}", i + 1)).collect();
+    let rungs: Vec<String> = (0..stats.ladder_rungs.len())
+        .map(|i| format!("{}: {} ({:.1} ms)", i + 1, stats.ladder_rungs[i], stats.ladder_rung_ns[i] as f64 / 1e6))
+        .collect();
     println!("misses placed by the ladder's rungs: {}", rungs.join(", "));
     println!(
         "pages: {} lent, {} switched back, {:.1} MiB unmapped (lent pages' addresses included)",

@@ -244,7 +244,25 @@ fn report(args: &Args, b: &Stats, a: &Stats, sim: Option<&SimDevice>) {
         sim.map_or(String::new(), |s| format!("; the simulator holds {:.0} MiB", mib(s.committed_bytes()))),
     );
     let rungs: Vec<String> = (0..a.ladder_rungs.len())
-        .map(|i| format!("{}: {}", i + 1, a.ladder_rungs[i].saturating_sub(b.ladder_rungs[i])))
+        .map(|i| {
+            let ns = a.ladder_rung_ns[i].saturating_sub(b.ladder_rung_ns[i]);
+            format!("{}: {} ({:.1} ms)", i + 1, a.ladder_rungs[i].saturating_sub(b.ladder_rungs[i]), ns as f64 / 1e6)
+        })
         .collect();
     println!("misses placed by the ladder's rungs: {}", rungs.join(", "));
+    // The driver's share of a miss, the rest being the pool's own work (and its contention).
+    let ms = |ns: u64| ns as f64 / 1e6;
+    println!(
+        "driver calls in the pairs: maps {:.1} ms, unmaps {:.1}, events {:.1} (queries {:.1} for {}, records {:.1} \
+         for {}, device waits {:.1}, capture checks {:.1})",
+        ms(d(|s| s.map_ns)),
+        ms(d(|s| s.unmap_ns)),
+        ms(d(|s| s.event_ns)),
+        ms(d(|s| s.query_ns)),
+        d(|s| s.events_queried),
+        ms(d(|s| s.record_ns)),
+        d(|s| s.events_recorded),
+        ms(d(|s| s.wait_ns)),
+        ms(d(|s| s.capture_ns)),
+    );
 }

@@ -110,6 +110,12 @@ pub struct Stats {
     /// Where a pool's misses climb far (flushing caches, device waits, mapping past the
     /// peak) shows where its slow path's time goes.
     pub ladder_rungs: [u64; LADDER_RUNGS],
+    /// Nanoseconds of `ladder_ns` by the rung that placed the allocation, as
+    /// `ladder_rungs` counts them: what each rung's placements cost, the rungs below it
+    /// that failed first included (a climb that ended out of memory is in `ladder_ns`
+    /// only). A miss that costs more as threads are added shows here which rungs it climbs
+    /// to when it does.
+    pub ladder_rung_ns: [u64; LADDER_RUNGS],
     /// Nanoseconds allocations spent below the caches, in the arena and the out-of-memory
     /// ladder (the device calls they made included): what misses cost, beside `allocs`.
     pub ladder_ns: u64,
@@ -224,6 +230,7 @@ pub(crate) struct Counters {
     pub ladder_steals: AtomicU64,
     pub ooms: AtomicU64,
     pub rungs: [AtomicU64; LADDER_RUNGS],
+    pub rung_ns: [AtomicU64; LADDER_RUNGS],
     pub unmapped: AtomicU64,
     pub ladder_ns: AtomicU64,
     pub release_ns: AtomicU64,

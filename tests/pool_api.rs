@@ -174,6 +174,12 @@ fn every_allocation_below_the_caches_is_counted_by_the_rung_that_placed_it() {
     let st = pool.stats();
     assert_eq!(st.ladder_rungs[6], held.len() as u64, "a cold pool maps past its peak (rung 7) for each: {st:?}");
     assert_eq!(st.ooms, 1);
+    assert!(st.ladder_rung_ns[6] > 0, "rung 7's placements took time: {st:?}");
+    let by_rung: u64 = st.ladder_rung_ns.iter().sum();
+    // Each rung's time is a part of the ladder's (the failed climb is in neither: <=).
+    assert!(by_rung <= st.ladder_ns + vrampool::LADDER_RUNGS as u64, "{st:?}");
+    let unplaced = st.ladder_rungs.iter().zip(st.ladder_rung_ns).filter(|&(&n, ns)| n == 0 && ns > 0).count();
+    assert_eq!(unplaced, 0, "no time for a rung that placed nothing: {st:?}");
     held.clear();
     let again = pool.alloc(BIG, &s).unwrap();
     let st = pool.stats();

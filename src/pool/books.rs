@@ -161,6 +161,7 @@ impl PoolInner {
             oom_handler_calls: Counters::get(&self.on_oom.calls),
             oom_rescues: Counters::get(&self.on_oom.rescues),
             ladder_rungs: std::array::from_fn(|i| Counters::get(&c.rungs[i])),
+            ladder_rung_ns: std::array::from_fn(|i| Counters::get_ns(&c.rung_ns[i])),
             mapped_bytes: Counters::get(&c.mapped),
             pages_lent: Counters::get(&c.pages_lent),
             pages_switched: Counters::get(&c.pages_switched),

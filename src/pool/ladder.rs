@@ -54,7 +54,8 @@
 //!
 //! Each placement is counted by the rung that made it (`Stats::ladder_rungs`; rung 11 is
 //! `Stats::ooms`, and a placement after the handler counts by the rung of the climb that
-//! made it): one relaxed add a miss, beside the counters a miss already bumps.
+//! made it), and its climb's time by that rung too (`Stats::ladder_rung_ns`): two relaxed
+//! adds a miss, beside the counters a miss already bumps.
 
 use super::local;
 use super::place::{Mapping, Mode, Reuse};
@@ -82,7 +83,15 @@ impl PoolInner {
         st: &StreamState,
         own: Option<&local::ThreadCache>,
     ) -> Result<u64> {
-        Counters::timed(&self.counters.ladder_ns, || self.climb(size, requested, st, own))
+        let start = crate::clock::ticks();
+        let placed = self.climb(size, requested, st, own);
+        let took = crate::clock::ticks().saturating_sub(start);
+        Counters::bump(&self.counters.ladder_ns, took);
+        placed.map(|(rung, addr)| {
+            Counters::bump(&self.counters.rungs[rung - 1], 1);
+            Counters::bump(&self.counters.rung_ns[rung - 1], took);
+            addr
+        })
     }
 
     /// Rungs 10 and 11 around an allocation's whole cold path (`attempt`): while it runs
@@ -116,7 +125,13 @@ impl PoolInner {
 
     /// The ladder's rungs, in order, up to rung 9; the error it ends with is rung 10's
     /// question ([`PoolInner::with_handler`]).
-    fn climb(&self, size: u64, requested: usize, st: &StreamState, own: Option<&local::ThreadCache>) -> Result<u64> {
+    fn climb(
+        &self,
+        size: u64,
+        requested: usize,
+        st: &StreamState,
+        own: Option<&local::ThreadCache>,
+    ) -> Result<(usize, u64)> {
         let _span = tracing::debug_span!("ladder", size, stream = st.stream.id()).entered();
         let ready = Mode::READY;
         let try_ready = |p: &Self| p.place(st, size, ready);
@@ -208,10 +223,9 @@ impl PoolInner {
         })))
     }
 
-    /// Count a placement by the rung (1-based) that made it; pass its address on.
-    fn placed_by(&self, rung: usize, addr: u64) -> u64 {
-        Counters::bump(&self.counters.rungs[rung - 1], 1);
-        addr
+    /// A placement and the rung (1-based) that made it, for `alloc_arena` to count.
+    fn placed_by(&self, rung: usize, addr: u64) -> (usize, u64) {
+        (rung, addr)
     }
 
     /// After a placement past the peak: if the peak rose a growth step (a 64th, at least a
