@@ -336,7 +336,8 @@ impl Extents {
                     if len == 0 {
                         start = g;
                     }
-                    len += (chunk_end as u64 * BITS).min(self.granules) - g;
+                    // Saturating: a `From` may name a granule past the last (in its word).
+                    len += (chunk_end as u64 * BITS).min(self.granules).saturating_sub(g);
                     i = chunk_end;
                     if len >= stop_at {
                         answer!('walk, f(start, len), true);

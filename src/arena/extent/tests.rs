@@ -473,6 +473,22 @@ fn threads_allocating_and_freeing_never_overlap() {
     assert_eq!(e.flight.in_flight.load(Ordering::Acquire), 0);
 }
 
+#[test]
+fn a_walk_told_to_go_on_past_the_last_granule_ends_with_nothing_more() {
+    // 100 granules: the last word is partial, and the untouched range has no chunk made.
+    let e = Extents::new(0, 100 * G, G).unwrap();
+    let mut runs = vec![];
+    e.walk(0, u64::MAX, 1, &mut |s, l| {
+        runs.push((s, l));
+        if runs.len() == 1 {
+            Next::From(110)
+        } else {
+            Next::On
+        }
+    });
+    assert_eq!(runs, vec![(0, 100)], "the one run, then nothing past the end");
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
