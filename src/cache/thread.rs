@@ -592,8 +592,9 @@ impl CacheShared {
     /// no barrier: its own operations are ordered with it by program order, and other
     /// thieves by the `steal` flag. The barrier interrupts every core running the process,
     /// and the ladder's idle-cache rung found its own thread's cache on most visits: on the
-    /// random window, 228 `membarrier` calls in 600,000 pairs on two threads, 563 in
-    /// 1,200,000 on four (`docs/BENCHMARKS.md`, thirty-ninth session). Another thread's
+    /// random window, 228 `membarrier` calls in a run of 300,000 pairs a thread (and as many
+    /// to warm up) on two threads, 563 on four (`docs/BENCHMARKS.md`, thirty-ninth
+    /// session). Another thread's
     /// cache is stolen as `try_steal` does.
     ///
     /// # Safety
