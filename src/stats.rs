@@ -272,13 +272,19 @@ impl Counters {
     /// [`Counters::timed`], adding the same time to each of `counters`: a part and its
     /// whole, so that the part never reads larger.
     pub(crate) fn timed_all<T>(counters: &[&AtomicU64], f: impl FnOnce() -> T) -> T {
-        let start = crate::clock::ticks();
-        let out = f();
-        let took = crate::clock::ticks().saturating_sub(start);
+        let (out, took) = Self::time(f);
         for c in counters {
             c.fetch_add(took, Ordering::Relaxed);
         }
         out
+    }
+
+    /// Run `f`, returning what it took in ticks beside its result: for a caller that knows
+    /// which counters to add it to only once `f` has returned.
+    pub(crate) fn time<T>(f: impl FnOnce() -> T) -> (T, u64) {
+        let start = crate::clock::ticks();
+        let out = f();
+        (out, crate::clock::ticks().saturating_sub(start))
     }
 
     /// A counter [`Counters::timed`] adds to, in ns.

@@ -83,9 +83,7 @@ impl PoolInner {
         st: &StreamState,
         own: Option<&local::ThreadCache>,
     ) -> Result<u64> {
-        let start = crate::clock::ticks();
-        let placed = self.climb(size, requested, st, own);
-        let took = crate::clock::ticks().saturating_sub(start);
+        let (placed, took) = Counters::time(|| self.climb(size, requested, st, own));
         Counters::bump(&self.counters.ladder_ns, took);
         placed.map(|(rung, addr)| {
             Counters::bump(&self.counters.rungs[rung - 1], 1);
@@ -141,32 +139,32 @@ impl PoolInner {
         }
         // 1.
         if let Some(a) = self.place(st, size, ready)? {
-            return Ok(self.placed_by(1, a));
+            return Ok((1, a));
         }
         // 2.
         tracing::trace!("rung 2: settle");
         if self.settle() {
             if let Some(a) = self.place(st, size, ready)? {
-                return Ok(self.placed_by(2, a));
+                return Ok((2, a));
             }
         }
         // 3.
         tracing::trace!("rung 3: flush this stream's caches");
         Counters::bump(&self.counters.ladder_flushes, 1);
         if let Some(a) = self.flush_rounds(size, st, own, try_ready)? {
-            return Ok(self.placed_by(3, a));
+            return Ok((3, a));
         }
         // 4.
         tracing::trace!("rung 4: map below the peak");
         Counters::bump(&self.counters.ladder_maps, 1);
         if let Some(a) = self.place(st, size, Mode { reuse: Reuse::Ready, mapping: Mapping::WithinPeak })? {
-            return Ok(self.placed_by(4, a));
+            return Ok((4, a));
         }
         // 5.
         tracing::debug!("rung 5: other streams' idle memory");
         if self.reclaim_held(false) | self.settle() {
             if let Some(a) = self.place(st, size, ready)? {
-                return Ok(self.placed_by(5, a));
+                return Ok((5, a));
             }
         }
         // 6.
@@ -174,18 +172,18 @@ impl PoolInner {
         if self.config.cross_stream_waits {
             let waiting = Mode { reuse: Reuse::Wait, mapping: Mapping::Forbidden };
             if let Some(a) = self.place(st, size, waiting)? {
-                return Ok(self.placed_by(6, a));
+                return Ok((6, a));
             }
             if self.take_retiring(st, size.saturating_mul(2)) {
                 if let Some(a) = self.place(st, size, waiting)? {
-                    return Ok(self.placed_by(6, a));
+                    return Ok((6, a));
                 }
             }
         }
         // 7.
         tracing::debug!("rung 7: map past the peak");
         if let Some(a) = self.map_past_peak(st, size)? {
-            return Ok(self.placed_by(7, a));
+            return Ok((7, a));
         }
         // 8.
         tracing::debug!("rung 8: host waits");
@@ -198,7 +196,7 @@ impl PoolInner {
             self.unmap_lent(0);
             self.unmap_free(0);
             if let Some(a) = self.place(st, size, Self::ALLOWED)? {
-                return Ok(self.placed_by(8, a));
+                return Ok((8, a));
             }
             if !(waited || released) {
                 break;
@@ -207,7 +205,7 @@ impl PoolInner {
         // 9.
         if let Some(a) = self.place_small_in_extents(st, size, Self::ALLOWED)? {
             tracing::debug!(size, stream = st.stream.id(), "rung 9: a small block in a gap of the extents");
-            return Ok(self.placed_by(9, a));
+            return Ok((9, a));
         }
         // 10 and 11: the cold path's, once it holds no cache (`with_handler`).
         tracing::debug!("out of memory");
@@ -221,11 +219,6 @@ impl PoolInner {
             largest_free: s.largest_free_mapped,
             max_reserved: self.max_reserved(),
         })))
-    }
-
-    /// A placement and the rung (1-based) that made it, for `alloc_arena` to count.
-    fn placed_by(&self, rung: usize, addr: u64) -> (usize, u64) {
-        (rung, addr)
     }
 
     /// After a placement past the peak: if the peak rose a growth step (a 64th, at least a

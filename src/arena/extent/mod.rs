@@ -313,12 +313,12 @@ impl Extents {
         let mut i = (from / BITS) as usize;
         // `Next::From(g)`: drop the run, go on from granule `g`; else whether to stop.
         macro_rules! answer {
-            ($walk:lifetime, $next:expr, $stop:expr) => {
+            ($range:lifetime, $next:expr, $stop:expr) => {
                 match $next {
                     Next::From(g) => {
                         debug_assert!(g > start, "a walk moves on");
                         (len, floor, i) = (0, g, (g / BITS) as usize);
-                        continue $walk;
+                        continue $range;
                     }
                     Next::Stop => return first,
                     Next::On if $stop => return first,
@@ -327,7 +327,7 @@ impl Extents {
             };
         }
         'range: loop {
-            'walk: while i < self.words {
+            while i < self.words {
                 let chunk_end = ((i / CHUNK + 1) * CHUNK).min(self.words);
                 let Some(chunk) = self.bits.chunk(i / CHUNK) else {
                     // An absent chunk: all free, up to the end of the range.
@@ -340,7 +340,7 @@ impl Extents {
                     len += (chunk_end as u64 * BITS).min(self.granules).saturating_sub(g);
                     i = chunk_end;
                     if len >= stop_at {
-                        answer!('walk, f(start, len), true);
+                        answer!('range, f(start, len), true);
                     }
                     continue;
                 };
@@ -373,7 +373,7 @@ impl Extents {
                         }
                         len += BITS;
                         if len >= stop_at {
-                            answer!('walk, f(start, len), true);
+                            answer!('range, f(start, len), true);
                         }
                         continue;
                     }
@@ -387,7 +387,7 @@ impl Extents {
                             }
                             len += z;
                             if len >= stop_at {
-                                answer!('walk, f(start, len), true);
+                                answer!('range, f(start, len), true);
                             }
                             pos += z;
                             if pos >= BITS {
@@ -396,7 +396,7 @@ impl Extents {
                         }
                         // The bit at `pos` is taken: the run, if any, ends here.
                         if len >= min_len {
-                            answer!('walk, f(start, len), false);
+                            answer!('range, f(start, len), false);
                         }
                         len = 0;
                         pos = if min_len > BITS {
