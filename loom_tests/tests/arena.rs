@@ -1,6 +1,6 @@
 //! loom models of the arena's lock-free protocols: buddy coalescing, allocation racing a
 //! merge, unrelated frees and releases, the page map's map-once and unmap handshakes, and its
-//! free-page hints for loans.
+//! free-page hints for loans, and the marks its scans for mapped pages pass groups by.
 //!
 //! Tiny configurations (a 1 KiB arena: four 256 B leaves, orders 8..=10; page maps of one or
 //! two pages) and two threads, so each model runs in seconds at `LOOM_MAX_PREEMPTIONS=3`:
@@ -200,6 +200,33 @@ fn racing_acquires_map_a_page_once() {
         assert_eq!(d.maps.load(Ordering::Acquire), 1);
         assert_eq!(counts(&m), [(0, 2)]);
         assert_eq!(m.mapped_bytes(), PAGE);
+    });
+}
+
+/// A page mapped in a group of pages never mapped before, while another thread scans for
+/// mapped pages: the scan passes a group whose mark it does not see, so the mark is made
+/// before the map call returns, and a scan that follows the map (through a flag) finds the
+/// page; one racing it finds the page or nothing. Fails with the groups' marks left out.
+#[test]
+fn a_scan_after_a_map_finds_its_page_in_a_group_never_mapped_before() {
+    loom::model(|| {
+        // Page 64 is the first of the second group of 64 pages.
+        let m = Arc::new(PageMap::new(0, 65 * PAGE, PAGE).unwrap());
+        let done = Arc::new(AtomicBool::new(false));
+        let (m1, done1) = (m.clone(), done.clone());
+        let t = thread::spawn(move || {
+            m1.acquire(64 * PAGE, 256, true, &mut |_, _| Ok(Backing::Fresh)).unwrap();
+            done1.store(true, Ordering::Release);
+        });
+        let after = done.load(Ordering::Acquire);
+        let found = m.next_mapped(0);
+        if after {
+            assert_eq!(found, Some(64 * PAGE), "a scan after the map missed its page");
+        } else {
+            assert!(found.is_none() || found == Some(64 * PAGE));
+        }
+        t.join().unwrap();
+        assert_eq!(m.next_mapped(0), Some(64 * PAGE));
     });
 }
 

@@ -59,6 +59,8 @@ const STATE: u64 = 7;
 /// Set on every page of a run but its first: the page was mapped in one call with the page
 /// before it, and can only be unmapped with it.
 const CONT: u64 = 8;
+/// Pages per bit of `PageMap::groups`: a word of them is one bit.
+const GROUP: usize = 64;
 const COUNT_SHIFT: u32 = 4;
 const ONE: u64 = 1 << COUNT_SHIFT;
 /// A page held by a loan or a return in progress (see [`lend`]): `MAPPING` with count 1, so
@@ -146,6 +148,13 @@ pub struct PageMap {
     /// Raised before a run's words say `MAPPED`, never lowered (pages above the highest
     /// mapped page only cost a scan their words).
     top: AtomicU64,
+    /// A bit per group of [`GROUP`] pages: set (for good) before any page of the group is
+    /// first mapped, so a group whose bit is clear has never had a page mapped, lent or
+    /// borrowed. [`PageMap::next_mapped`] passes such a group without reading its words: the
+    /// pages between the large blocks and the chunks' half of the range are made words that
+    /// were never mapped, and a placement that met an unmapped page read 246 of them a call
+    /// on the one-thread random window.
+    groups: LazyWords,
     /// Which lent pages could switch back now (see [`wake`]).
     wake: Wake,
 }
@@ -235,6 +244,7 @@ impl PageMap {
             lent: AtomicU64::new(0),
             free_hint: HBitmap::new(pages),
             top: AtomicU64::new(0),
+            groups: LazyWords::new(pages.div_ceil(GROUP).div_ceil(64)),
             wake: Wake::new(pages),
         })
     }
@@ -404,8 +414,9 @@ impl PageMap {
         match map.map(self.page_addr(s), (page * n as u64) as usize) {
             Ok(backing) => {
                 // Before the words: a scan that finds one of them mapped also reads `top`
-                // past it.
+                // past it, and their groups marked.
                 self.top.fetch_max((s + n) as u64, Ordering::AcqRel);
+                self.mark_groups(s, n);
                 for q in s..s + n {
                     if backing == Backing::Fresh {
                         self.show_fresh(q);
@@ -661,7 +672,9 @@ impl PageMap {
     }
 
     /// The lowest page at or above `addr` whose word `pick` takes, by a scan of the page words
-    /// (whole chunks never made are skipped at once).
+    /// (whole chunks never made, and groups never mapped, are passed at once). `pick` must
+    /// take no `UNMAPPED` word: a page never mapped is never read (nor one whose first map
+    /// is in flight, which a scan may miss anyway).
     fn next_where(&self, addr: u64, pick: impl Fn(u64) -> bool) -> Option<u64> {
         let mut p = (addr.checked_sub(self.base)? >> self.page_shift) as usize;
         // Pages at or above `top` have never been mapped (see its docs); a run mapped while
@@ -674,13 +687,35 @@ impl PageMap {
                 p = stop;
                 continue;
             };
-            let words = &chunk[(p - base).min(chunk.len())..(stop - base).min(chunk.len())];
-            if let Some(j) = words.iter().position(|w| pick(w.load(Ordering::Acquire))) {
-                return Some(self.page_addr(p + j));
+            while p < stop {
+                let group_end = ((p / GROUP + 1) * GROUP).min(stop);
+                if self.group_marked(p / GROUP) {
+                    let words = &chunk[(p - base).min(chunk.len())..(group_end - base).min(chunk.len())];
+                    if let Some(j) = words.iter().position(|w| pick(w.load(Ordering::Acquire))) {
+                        return Some(self.page_addr(p + j));
+                    }
+                }
+                p = group_end;
             }
-            p = stop;
         }
         None
+    }
+
+    /// Mark the groups of pages `s..s + n` as having had a page mapped (see `groups`).
+    fn mark_groups(&self, s: usize, n: usize) {
+        for g in s / GROUP..=(s + n - 1) / GROUP {
+            if let Some(w) = self.groups.get(g / 64, true) {
+                let bit = 1u64 << (g % 64);
+                if w.load(Ordering::Acquire) & bit == 0 {
+                    w.fetch_or(bit, Ordering::AcqRel);
+                }
+            }
+        }
+    }
+
+    /// Whether group `g` has ever had a page mapped (see `groups`).
+    fn group_marked(&self, g: usize) -> bool {
+        self.groups.get(g / 64, false).is_some_and(|w| w.load(Ordering::Acquire) & (1 << (g % 64)) != 0)
     }
 
     /// Call `f(page_addr, count)` for every mapped page, lowest first: a walk, for checks.

@@ -330,6 +330,35 @@ fn next_mapped_finds_the_lowest_mapped_page_at_or_above_and_none_past_the_highes
     assert_eq!(found(10 * P), Some(63));
 }
 
+/// A scan passes groups of pages never mapped without reading them, so every page a map
+/// call makes mapped must mark its own group, the last pages of a run across a group's edge
+/// too; a group marked once stays marked when its pages go.
+#[test]
+fn next_mapped_passes_groups_never_mapped_and_finds_every_page_of_a_run_across_groups() {
+    let g = GROUP as u64;
+    let m = PageMap::new(0, 4 * g * P, P).unwrap().with_max_run(4);
+    // One map call for pages g - 1 ..= g + 2: the run's head in group 0, the rest in group 1.
+    let mut calls = 0;
+    m.acquire((g - 1) * P, 4 * P, true, &mut |_, _| {
+        calls += 1;
+        Ok(Backing::Fresh)
+    })
+    .unwrap();
+    m.acquire((3 * g + 5) * P, P, true, &mut |_, _| Ok(Backing::Fresh)).unwrap();
+    assert_eq!(calls, 1, "the run is mapped in one call");
+    let found = |a: u64| m.next_mapped(a).map(|x| x / P);
+    assert_eq!(found(0), Some(g - 1));
+    assert_eq!(found(g * P), Some(g), "the run's pages in the next group are found");
+    assert_eq!(found((g + 3) * P), Some(3 * g + 5), "group 2, never mapped, is passed");
+    // The run goes: group 1 stays marked, and a scan through it finds the page past it.
+    m.release((g - 1) * P, 4 * P);
+    assert_eq!(m.unmap_free(0, &mut |_, _, _| Ok(())), 4 * P);
+    assert_eq!((found(0), found(g * P)), (Some(3 * g + 5), Some(3 * g + 5)));
+    // Mapped again inside the marked group, below the highest page: found.
+    m.acquire((g + 7) * P, P, true, &mut |_, _| Ok(Backing::Fresh)).unwrap();
+    assert_eq!(found(0), Some(g + 7));
+}
+
 /// One memory lent from page to page, further than a memory has slots for its lent pages:
 /// while its last page holds a block, every tracked lent page sleeps once judged (the
 /// untracked ones stay awake: nothing would wake them); when that page falls free, every one
