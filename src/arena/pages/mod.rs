@@ -59,7 +59,7 @@ const STATE: u64 = 7;
 /// Set on every page of a run but its first: the page was mapped in one call with the page
 /// before it, and can only be unmapped with it.
 const CONT: u64 = 8;
-/// Pages per bit of `PageMap::groups`: a word of them is one bit.
+/// The pages one bit of `PageMap::groups` stands for.
 const GROUP: usize = 64;
 const COUNT_SHIFT: u32 = 4;
 const ONE: u64 = 1 << COUNT_SHIFT;
