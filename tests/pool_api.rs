@@ -394,9 +394,7 @@ fn a_destroyed_streams_cached_blocks_all_come_back() {
     // Blocks freed on a stream that is then destroyed sit in its thread caches and depots;
     // once its final event completes they must reach the arena, and blocks freed after the
     // stream's state is gone must too.
-    let dev = SimDevice::new(4 << 30);
-    let pool = Pool::new(dev.clone(), PoolConfig::default()).unwrap();
-    let copy = dev.new_stream().unwrap();
+    let (dev, pool, copy) = pool(4 << 30);
     let mut late = Vec::new();
     std::thread::scope(|sc| {
         let handles: Vec<_> = (0..3usize)

@@ -240,9 +240,7 @@ fn a_small_block_of_another_stream_queued_first_does_not_hold_back_a_large_one()
 
 #[test]
 fn a_stream_gets_no_new_event_while_its_last_one_is_pending() {
-    let dev = SimDevice::new(1 << 30);
-    let pool = Pool::new(dev.clone(), PoolConfig::default()).unwrap();
-    let s = dev.new_stream().unwrap();
+    let (dev, pool, s) = pool(1 << 30);
     // Blocks above the largest cached class go back to the arena at each free: 13 of 5 MiB
     // pass the bytes after which a stream gets an event.
     let free_a_batch = || {

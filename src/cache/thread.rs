@@ -215,7 +215,7 @@ impl CacheShared {
     pub fn idle(&self) -> bool {
         // The caller's own cache (for another stream: one thread driving several) is not in
         // use while its owner is here, and taking it contends with no one.
-        if self.owner == current_thread().id() {
+        if self.owned_here() {
             return true;
         }
         let now = idle_clock();
@@ -580,6 +580,11 @@ impl CacheShared {
         moved
     }
 
+    /// Whether the calling thread is the one that made this cache (its owner).
+    fn owned_here(&self) -> bool {
+        self.owner == current_thread().id()
+    }
+
     /// As a thief: take the handshake if the owner is not inside an operation (and no other
     /// thief holds it). On success run `f` with the magazines held, then let go; returns
     /// whether `f` ran.
@@ -602,8 +607,7 @@ impl CacheShared {
     /// every cache a pool registers is: a `ThreadCache` is made on its thread, is not `Send`,
     /// and is reached only through that thread's locals.
     pub unsafe fn take_own_or_steal(&self, f: impl FnOnce(&Self)) -> bool {
-        let own = self.owner == current_thread().id();
-        self.steal_with(f, || false, !own)
+        self.steal_with(f, || false, !self.owned_here())
     }
 
     /// As a reader that must see this cache (a snapshot): take the handshake, waiting for
@@ -616,7 +620,7 @@ impl CacheShared {
     /// (an operation that waits on the device can take a while); it also waits out another
     /// thief. On the owner's own thread it tries once. Returns whether `f` ran.
     pub fn steal_waiting(&self, f: impl FnOnce(&Self), patient: impl FnMut() -> bool) -> bool {
-        if self.owner == current_thread().id() {
+        if self.owned_here() {
             // The owner may be inside an operation further up its own stack.
             return self.try_steal(f);
         }
