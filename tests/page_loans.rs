@@ -256,3 +256,49 @@ fn a_placement_past_the_peak_refused_its_cheapest_run_takes_the_next_cheapest() 
     dev.synchronize(&s2).unwrap();
     pool.check().unwrap();
 }
+
+/// A large block that may only take mapped memory (the ladder's first rungs) keeps its
+/// first-fit run when one page of it is dead (lent, its memory serving a live block
+/// elsewhere): that page is unmapped and mapped afresh, rather than the block going to the
+/// next run of mapped free pages, far above. Moved up, it would take the pages the blocks
+/// after it had, which then need loans (train_gpt2's second pass moved a fifth of its peak
+/// so). Here x's page lends its memory to w and stays dead under the run x and y leave;
+/// the next run on mapped pages is z's, above a guard block.
+#[test]
+fn a_large_block_keeps_its_first_fit_run_over_a_few_dead_pages() {
+    let dev = SimDevice::new(2 << 30);
+    let pool = Pool::new(dev.clone(), PoolConfig::default()).unwrap();
+    let s = dev.new_stream().unwrap();
+    let p = PAGE as u64;
+    let x = pool.alloc(PAGE, &s).unwrap();
+    let base = x.device_ptr();
+    let y = pool.alloc(129 * PAGE, &s).unwrap();
+    let guard = pool.alloc(PAGE, &s).unwrap();
+    let z = pool.alloc(130 * PAGE, &s).unwrap();
+    assert_eq!(z.device_ptr(), base + 131 * p, "x, y, the guard and z in a row");
+    drop(x);
+    pool.flush_thread_cache();
+    // Two pages past the peak, with x's free page the only one to lend: w borrows it.
+    let lent = pool.stats().pages_lent;
+    let w = pool.alloc(2 * PAGE, &s).unwrap();
+    assert_eq!(pool.stats().pages_lent - lent, 1, "w borrowed x's page");
+    drop((y, z));
+    pool.flush_thread_cache();
+    // The stream's final event covers every free: x's dead page may be unmapped once it
+    // completes. The block is another stream's.
+    pool.destroy_stream(&s).unwrap();
+    let s2 = dev.new_stream().unwrap();
+    let (before, mapped, unmapped) = (pool.stats(), dev.mapped_bytes_total(), dev.unmapped_bytes_total());
+    let q = pool.alloc(130 * PAGE, &s2).unwrap();
+    let after = pool.stats();
+    assert_eq!(q.device_ptr(), base, "q over x's dead page and y's free ones, not z's pages");
+    assert_eq!(dev.unmapped_bytes_total() - unmapped, p, "x's dead page unmapped");
+    assert_eq!(dev.mapped_bytes_total() - mapped, p, "and mapped again, by a loan at the peak");
+    assert_eq!(after.reserved_bytes, before.reserved_bytes, "the pool held no more memory");
+    let unmapping_rungs = |s: &vrampool::Stats| s.ladder_rungs[0] + s.ladder_rungs[1];
+    assert_eq!(unmapping_rungs(&after) - unmapping_rungs(&before), 1, "placed by a rung that may not map");
+    drop((guard, w, q));
+    pool.flush_thread_cache();
+    dev.synchronize(&s2).unwrap();
+    pool.check().unwrap();
+}

@@ -11,10 +11,12 @@
 //! 1. **Ready memory on mapped pages**: the stream's own free memory (stream order makes it
 //!    safe at once), memory free for everyone, memory other streams freed whose fence's
 //!    event is complete, and memory an earlier device wait of this stream already covers
-//!    (stream order again: `crate::reclaim::waited`). A stream whose incomplete fence the
-//!    placement meets gets an event recorded if none is outstanding, so that the memory it
-//!    freed is ready soon, unless the pool's records have lately been slow (module `judge`,
-//!    `Judge::hurry`).
+//!    (stream order again: `crate::reclaim::waited`). A large block's first-fit run may
+//!    still hold a few pages that need a driver call (module `place`, `FEW_DEAD_SHARE`):
+//!    they are mapped afresh rather than the block moved far up. A stream whose incomplete
+//!    fence the placement meets gets an event recorded if none is outstanding, so that the
+//!    memory it freed is ready soon, unless the pool's records have lately been slow
+//!    (module `judge`, `Judge::hurry`).
 //! 2. **Settle**: poll every stream's events and the queue of blocks used on several
 //!    streams; try again.
 //! 3. **This stream's caches**: this thread's cache for the stream and the stream's depots

@@ -30,10 +30,15 @@
 //! whose pages cost the fewest driver calls, where a lent page whose memory is busy
 //! elsewhere is unmapped and mapped afresh rather than ruling the run out (module
 //! `cheapest`); the next cheapest if the judgement refuses that run, first fit after a
-//! few. And, as the ladder's last step, a small block that its stream's chunks cannot
-//! hold, when no free page-sized run is left for a chunk, takes a run of the extents like
-//! a large block (at whole granules) rather than fail: at the limit the free memory is
-//! mostly the gaps between large blocks.
+//! few. A large block of [`FEW_DEAD_SHARE`] pages or more placed where it may not map (the
+//! ladder's rungs 1–3, 5 and 6) still takes its first-fit run when at most one page in
+//! `FEW_DEAD_SHARE` of it needs a driver call (lent with its memory busy elsewhere, or
+//! unmapped), rather than the higher run on mapped pages the walk goes on to find: those
+//! pages are mapped afresh (lent, past the peak), as on the cheapest run. And, as the
+//! ladder's last step, a small block that its stream's chunks cannot hold, when no free
+//! page-sized run is left for a chunk, takes a run of the extents like a large block (at
+//! whole granules) rather than fail: at the limit the free memory is mostly the gaps
+//! between large blocks.
 //!
 //! Whether a run's freed memory may be taken by the stream is the judgement's question
 //! (module `judge`); this module asks it of the runs it walks and holds.
@@ -154,6 +159,21 @@ const CLAIM_TRIES: usize = 3;
 /// it refused, before it walks first fit (module `cheapest`).
 const CHEAPEST_TRIES: usize = 4;
 
+/// A large block of at least this many pages, placed on mapped memory (the rungs that may
+/// not map), takes its first-fit run even where up to one page in this many must be mapped
+/// afresh: a lent page whose memory serves a live block elsewhere, or an unmapped one.
+///
+/// Why: a block that leaves its first-fit run for a few such pages lands hundreds of MiB
+/// higher, on free pages the blocks after it would have taken, and those then need runs
+/// that only loans give. On train_gpt2's second pass one dead page under a 1,148 MiB block
+/// moved it 288 MiB up, and the pass moved 876 MiB of pages in and 290 out (0.20 of its
+/// peak); with the dead page remapped, 22 MiB and 22 (simulator). Why this share: at one page
+/// in 32 the rule reached blocks of 64 MiB, whose dead pages come back every pass
+/// (bert_dynamic's third pass moved 1.57 of its peak instead of 0.22), and at one in 64
+/// train_bert_mlm's third and fourth passes moved more (`docs/BENCHMARKS.md`, forty-third
+/// session).
+pub(crate) const FEW_DEAD_SHARE: u64 = 128;
+
 impl PoolInner {
     /// Whether `st` may take back the memory of the page at `from` (lent pages' memory,
     /// serving there now and free): every fence on it lets `st` reuse it at once.
@@ -222,6 +242,13 @@ impl PoolInner {
         // Set while the cheapest run is claimed (module `cheapest`): its lent pages whose
         // memory cannot come back are unmapped and mapped afresh, where their work is done.
         let remap_dead = std::cell::Cell::new(false);
+        // Whether the run being claimed may map pages (the lowest run with few dead pages is
+        // claimed so, on a rung that may not).
+        let may_map = std::cell::Cell::new(mode.mapping != Mapping::Forbidden);
+        // How many pages of a first-fit run may need a driver call on a rung that may not
+        // map (0: none), and the lowest run the walk passed that needs no more.
+        let few_dead = self.few_dead_pages(size, chunk, mode);
+        let lowest_few_dead = std::cell::Cell::new(None);
         // Asleep lent pages (their memory busy where it went, see `arena::pages::wake`) are
         // passed a run at a time without a judgement, and weigh an eighth of one in the
         // dormant pages' bound (`dormant::PASSES_PER_JUDGEMENT`).
@@ -269,6 +296,25 @@ impl PoolInner {
             // pages (or those) will do.
             let mut p = addr / page * page;
             let mut sources = Vec::new();
+            // Pages that need a driver call, counted while the first such run is looked for;
+            // the first one's answer is where the walk goes on from, as without the count.
+            let counting = few_dead > 0 && lowest_few_dead.get().is_none() && !remap_dead.get();
+            let mut dead = 0;
+            let mut past_first_dead = None;
+            // Refuse the run, going on from `$past`, unless the page at `p` is one more the
+            // count may take (it must be unmappable now: its work done).
+            macro_rules! refuse {
+                ($past:expr, $unmappable:expr) => {{
+                    let past = $past;
+                    if counting && dead < few_dead && $unmappable {
+                        dead += 1;
+                        past_first_dead.get_or_insert(past);
+                        p += page;
+                        continue;
+                    }
+                    return Err(past_first_dead.unwrap_or(past));
+                }};
+            }
             while p < addr + len {
                 let state = pages.lent(p);
                 let lent = state != Lent::No;
@@ -288,25 +334,27 @@ impl PoolInner {
                     }
                     if state == Lent::Asleep {
                         judged.passed(1);
-                        return Err(skip_dead(p + page) - 1);
+                        refuse!(skip_dead(p + page) - 1, self.may_unmap(p, page));
                     }
                     judged.one();
                     let free_elsewhere = pages
                         .switch_source(p)
                         .filter(|s| !(addr / page * page..addr + len).contains(s) && !sources.contains(s));
-                    let Some(source) = free_elsewhere else { return Err(skip_dead(p + page) - 1) };
+                    let Some(source) = free_elsewhere else {
+                        refuse!(skip_dead(p + page) - 1, self.may_unmap(p, page))
+                    };
                     // The memory comes back only if the work queued on it allows (as
                     // `Pager::switch` will judge): else the claim would fail after the walk,
                     // when another candidate, or fresh pages, would have done.
                     if !self.switch_allowed(st, source) {
-                        return Err(p + page - 1);
+                        return Err(past_first_dead.unwrap_or(p + page - 1));
                     }
                     sources.push(source);
                 }
-                if mode.mapping == Mapping::Forbidden && !lent && !pages.is_mapped(p) {
+                if !may_map.get() && !lent && !pages.is_mapped(p) {
                     // Skip every unmapped page from here at once: the untouched rest of the
                     // range is one free run.
-                    return Err(pages.next_mapped(p).map_or(u64::MAX - 1, |m| m - 1));
+                    refuse!(pages.next_mapped(p).map_or(u64::MAX - 1, |m| m - 1), true);
                 }
                 p += page;
             }
@@ -319,6 +367,13 @@ impl PoolInner {
                 bad = Some(end - 1);
                 false
             });
+            if let Some(past) = past_first_dead {
+                // A run with few dead pages: remembered, and passed as before.
+                if bad.is_none() {
+                    lowest_few_dead.set(Some(addr));
+                }
+                return Err(bad.map_or(past, |b| b.min(past)));
+            }
             if bad.is_none() {
                 taken = Some((addr, len));
             }
@@ -339,9 +394,16 @@ impl PoolInner {
         // run is looked for without them, a few times, before first fit.
         let mut barred = Vec::new();
         let mut cheapest = by_cost.then(|| cheapest::cheapest_run(&self.space, pages, size, &barred)).flatten();
+        // The lowest run with few dead pages, once the walk found a higher one: claimed as the
+        // cheapest run is, mapping what it needs (lent past the peak), once.
+        let mut fix_dead_at = None;
         let (addr, held) = loop {
-            remap_dead.set(false);
-            let got = if let Some((at, _)) = cheapest.take() {
+            let fixing = fix_dead_at.is_some();
+            remap_dead.set(fixing);
+            may_map.set(fixing || mode.mapping != Mapping::Forbidden);
+            let got = if let Some(at) = fix_dead_at.take() {
+                self.space.claim_large_at(at, size, &mut accept)
+            } else if let Some((at, _)) = cheapest.take() {
                 remap_dead.set(true);
                 let mut refused = None;
                 let got = self
@@ -379,6 +441,11 @@ impl PoolInner {
                 }
                 return Ok(Self::missed("no run", size, chunk, mode));
             };
+            if let Some(low) = lowest_few_dead.take().filter(|&low| low < addr) {
+                self.space.give_back(addr, size);
+                fix_dead_at = Some(low);
+                continue;
+            }
             if mode.mapping == Mapping::WithinPeak && !self.maps_fit(addr, size, limit) {
                 // Its maps would pass the peak part of the way through: the first pages would
                 // be mapped afresh and left free when the rest failed (one for each of the 37
@@ -387,8 +454,11 @@ impl PoolInner {
                 return Ok(Self::missed("past the peak", size, chunk, mode));
             }
             let block = addr / page * page..(addr + size).next_multiple_of(page);
+            // The few dead pages are mapped as a placement past the peak maps: lent there.
+            let (limit, lend) =
+                if fixing { (self.max_reserved(), self.config.trade_pages_on_map) } else { (limit, lend) };
             let mut map = Pager { pool: self, st, limit, lend, remap: remap_dead.get(), block };
-            match self.pages.acquire(addr, size, mode.mapping != Mapping::Forbidden, &mut map) {
+            match self.pages.acquire(addr, size, may_map.get(), &mut map) {
                 Ok(()) => {}
                 Err(why) => {
                     self.space.give_back(addr, size);
@@ -450,6 +520,25 @@ impl PoolInner {
             Counters::bump(&self.counters.covered_reuses, 1);
         }
         Ok(Some(addr))
+    }
+
+    /// How many pages of a large block's first-fit run may need a driver call on a rung that
+    /// may not map ([`FEW_DEAD_SHARE`]): 0 for a chunk, a block under `FEW_DEAD_SHARE` pages,
+    /// a placement that may map anyway, and near the limit (where runs are scored instead).
+    /// A device that cannot map memory at two addresses has no lent pages, and its unmapped
+    /// pages could not be mapped without growing: 0 there too, as when pages are not traded.
+    fn few_dead_pages(&self, size: u64, chunk: bool, mode: Mode) -> u64 {
+        let pages = size.div_ceil(self.pages.page_size());
+        let applies = !chunk
+            && mode.mapping == Mapping::Forbidden
+            && self.config.trade_pages_on_map
+            && self.device.can_alias()
+            && !self.near_limit();
+        if applies {
+            pages / FEW_DEAD_SHARE
+        } else {
+            0
+        }
     }
 
     /// A placement that may map failed: say why at debug level (the next rung is the host
