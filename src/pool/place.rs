@@ -396,7 +396,7 @@ impl PoolInner {
         let mut cheapest = by_cost.then(|| cheapest::cheapest_run(&self.space, pages, size, &barred)).flatten();
         // The lowest run with few dead pages, once the walk found a higher one: claimed as the
         // cheapest run is, mapping what it needs (lent past the peak), once.
-        let mut fix_dead_at = None;
+        let (mut fix_dead_at, mut fix_tried) = (None, false);
         let (addr, held) = loop {
             let fixing = fix_dead_at.is_some();
             remap_dead.set(fixing);
@@ -441,7 +441,10 @@ impl PoolInner {
                 }
                 return Ok(Self::missed("no run", size, chunk, mode));
             };
-            if let Some(low) = lowest_few_dead.take().filter(|&low| low < addr) {
+            // Once: the run stays remembered, so the walks after a failed claim of it (its
+            // pages taken meanwhile, or the device out of memory) count nothing again.
+            if let Some(low) = lowest_few_dead.get().filter(|&low| low < addr && !fix_tried) {
+                fix_tried = true;
                 self.space.give_back(addr, size);
                 fix_dead_at = Some(low);
                 continue;
