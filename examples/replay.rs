@@ -27,7 +27,11 @@
 //! - `--interleave`: play all the traces given at once, as one trace, each on its own streams;
 //! - `--map-run-pages N`: `PoolConfig::map_run_pages` (pages mapped per device call);
 //! - `--no-trade`: `PoolConfig::trade_pages_on_map` off: the pool grows instead of moving
-//!   free pages' memory where a block lands (what a placement alone holds, and its speed).
+//!   free pages' memory where a block lands (what a placement alone holds, and its speed);
+//! - `--moves`: with `--warm` implied, list the warm pass's allocations under which the
+//!   device mapped or unmapped pages, and count its blocks no cache holds placed elsewhere
+//!   than in the first pass (`ReplayOptions::moves`): which allocations a warm pool's page
+//!   moves come from.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -98,7 +102,7 @@ fn usage(why: &str) -> ! {
     eprintln!("{why}");
     eprintln!(
         "usage: replay [--busy-us N] [--sync-every M] [--warm] [--passes N] [--costs] [--sim] [--interleave] \
-         [--map-run-pages N] [--no-trade] TRACE.csv[.gz] ..."
+         [--map-run-pages N] [--no-trade] [--moves] TRACE.csv[.gz] ..."
     );
     std::process::exit(2);
 }
@@ -116,6 +120,7 @@ fn parse_args() -> Args {
             "--map-run-pages" => a.options.config.map_run_pages = number("--map-run-pages") as usize,
             "--no-trade" => a.options.config.trade_pages_on_map = false,
             "--warm" => a.options.warm = true,
+            "--moves" => (a.options.warm, a.options.moves) = (true, true),
             "--passes" => match number("--passes") {
                 n @ 2.. => (a.options.warm, a.options.warm_passes) = (true, n as usize - 1),
                 _ => usage("--passes needs 2 or more"),
@@ -206,6 +211,9 @@ fn main() {
     }
     if o.warm_passes > 1 {
         print_later(&rows);
+    }
+    if o.moves {
+        print_moves(&rows, o.config.largest_cached_class);
     }
 }
 
@@ -315,5 +323,36 @@ fn print_later(rows: &[Row]) {
             .map(|p| format!("{:.3} ({:.0} ns)", (p.mapped_bytes + p.unmapped_bytes) as f64 / pk, p.ns_per_op()))
             .collect();
         println!("{:<28} {}", name, passes.join("  "));
+    }
+}
+
+/// The warm pass's moves: how many uncached blocks landed elsewhere than in the first pass,
+/// and the allocations under which the device mapped or unmapped pages, most bytes first
+/// (at most `SHOWN` a trace).
+fn print_moves(rows: &[Row], largest_cached: u64) {
+    const SHOWN: usize = 12;
+    println!();
+    println!(
+        "warm pass, what moved: blocks no cache holds placed elsewhere than in the first pass, \
+         and the allocations that mapped or unmapped pages (most first)"
+    );
+    for (name, r, _, _) in rows {
+        let Some(warm) = &r.warm else { continue };
+        let elsewhere =
+            warm.moves.iter().filter(|m| m.size as u64 > largest_cached && m.shift().is_some_and(|s| s != 0)).count();
+        let mut paging: Vec<_> = warm.moves.iter().filter(|m| m.mapped + m.unmapped > 0).collect();
+        paging.sort_by_key(|m| std::cmp::Reverse(m.mapped + m.unmapped));
+        println!("{name}: {elsewhere} uncached blocks elsewhere, {} allocations moved pages", paging.len());
+        for m in paging.iter().take(SHOWN) {
+            let shift = m.shift().map_or("—".to_string(), |s| format!("{:+.1} MiB", s as f64 / (1u64 << 20) as f64));
+            println!(
+                "  event {:>7}: {:>9.1} MiB, {} from the first pass, mapped {:.0} MiB, unmapped {:.0} MiB",
+                m.event,
+                mib(m.size as u64),
+                shift,
+                mib(m.mapped),
+                mib(m.unmapped)
+            );
+        }
     }
 }

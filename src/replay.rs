@@ -8,6 +8,7 @@
 //! would). The figure of merit is peak reserved ÷ peak live, with live the sum of `size`
 //! over allocated, not yet freed ids.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::io::BufRead;
 use std::sync::Arc;
@@ -17,10 +18,13 @@ use crate::device::{Device, SimDevice, Stream};
 use crate::error::{Error, Result};
 use crate::pool::{Block, Pool, PoolConfig};
 use crate::stats::Stats;
+use moves::Tracker;
 
 mod interleave;
+mod moves;
 mod plan;
 pub use interleave::interleave;
+pub use moves::Move;
 pub use plan::{Act, Plan, Step};
 
 /// One event of a trace.
@@ -109,6 +113,12 @@ pub struct ReplayOptions {
     /// later ones go to [`Report::later`]. A pool whose layout settles moves no pages in
     /// them; one that does not keeps trading pages for as long as the trace repeats.
     pub warm_passes: usize,
+    /// List, in each pass's [`Pass::moves`], the allocations under which the device mapped
+    /// or unmapped pages and the blocks no cache holds placed elsewhere than in the pass before
+    /// (module `moves`). It reads the map counts around every allocation (on CUDA, the
+    /// pool's figures: a walk of its tiers each time), outside the timed work but slowing
+    /// the replay: for finding what moves, not for timing.
+    pub moves: bool,
 }
 
 impl From<PoolConfig> for ReplayOptions {
@@ -143,6 +153,9 @@ pub struct Pass {
     /// The pool's figures at the end of the pass, before the blocks still live are freed
     /// (its peaks cover every pass so far).
     pub stats: Stats,
+    /// With [`ReplayOptions::moves`]: the allocations that mapped or unmapped pages, and the
+    /// blocks no cache holds placed elsewhere than in the pass before, in the pass's order.
+    pub moves: Vec<Move>,
 }
 
 impl Pass {
@@ -232,7 +245,15 @@ fn run(trace: &Trace, device: &Arc<dyn Device>, options: &ReplayOptions, sim: Op
     let pool = Pool::with_device(Arc::clone(device), options.config.clone())?;
     let plan = trace.plan();
     let streams = plan.streams.iter().map(|_| device.create_stream()).collect::<Result<Vec<Stream>>>()?;
-    let player = Player { pool: &pool, device: &**device, streams: &streams, options, sim };
+    let uncached = (options.config.largest_cached_class + 1).max(options.config.large_block_threshold);
+    let player = Player {
+        pool: &pool,
+        device: &**device,
+        streams: &streams,
+        options,
+        sim,
+        moves: RefCell::new(Tracker::new(uncached)),
+    };
     let (cold, peak_live, left) = player.pass(&plan)?;
     drop(left);
     let (mut warm, mut later) = (None, Vec::new());
@@ -277,6 +298,8 @@ struct Player<'a> {
     streams: &'a [Stream],
     options: &'a ReplayOptions,
     sim: Option<&'a SimDevice>,
+    /// The addresses of the pass before, and this pass's moves, with `options.moves`.
+    moves: RefCell<Tracker>,
 }
 
 impl Player<'_> {
@@ -303,7 +326,25 @@ impl Player<'_> {
             let slot = &mut live[step.slot as usize];
             match step.act {
                 Act::Alloc { size } => {
+                    let counts = self.options.moves.then(|| {
+                        let t = Instant::now();
+                        let c = map_totals(self.pool, self.sim);
+                        outside += t.elapsed();
+                        c
+                    });
                     let b = self.pool.alloc(size, stream)?;
+                    if let Some((m0, u0)) = counts {
+                        let t = Instant::now();
+                        let (m1, u1) = map_totals(self.pool, self.sim);
+                        self.moves.borrow_mut().alloc(
+                            n,
+                            size,
+                            b.device_ptr(),
+                            m1.saturating_sub(m0),
+                            u1.saturating_sub(u0),
+                        );
+                        outside += t.elapsed();
+                    }
                     live_bytes += size as u64;
                     peak_live = peak_live.max(live_bytes);
                     if let Some((old, _)) = slot.replace((b, step.lane)) {
@@ -342,6 +383,7 @@ impl Player<'_> {
             mapped_bytes: mapped1.saturating_sub(mapped0),
             unmapped_bytes: unmapped1.saturating_sub(unmapped0),
             stats,
+            moves: self.moves.borrow_mut().end_pass(),
         };
         Ok((pass, peak_live, live))
     }
@@ -408,5 +450,22 @@ mod tests {
             assert_eq!((p.events, p.mapped_bytes, p.unmapped_bytes), (6, 0, 0), "warm pass {}", n + 2);
         }
         assert_eq!(r.peak_reserved, r.later[2].stats.peak_reserved_bytes, "the peak covers every pass");
+        assert!(r.cold.moves.is_empty(), "moves are listed only when asked for");
+    }
+
+    #[test]
+    fn moves_name_the_allocations_that_mapped_and_none_once_the_layout_repeats() {
+        let dev = SimDevice::new(1 << 30);
+        let t =
+            Trace::parse("a,1,6291456,0\na,2,4096,0\na,3,3145728,0\nf,1,0,0\nf,3,0,0\nf,2,0,0\n".as_bytes()).unwrap();
+        let options = ReplayOptions { warm: true, warm_passes: 2, moves: true, ..ReplayOptions::default() };
+        let r = replay_sim(&t, &dev, &options).unwrap();
+        let under_allocations: u64 = r.cold.moves.iter().map(|m| m.mapped).sum();
+        assert_eq!(under_allocations, r.cold.mapped_bytes, "every byte the first pass mapped, under its allocation");
+        assert!(r.cold.moves.iter().all(|m| m.before.is_none() && m.event <= 2), "{:?}", r.cold.moves);
+        assert!(r.cold.moves.iter().any(|m| m.event == 0 && m.mapped >= 6291456), "the first block mapped its pages");
+        for p in r.warm.iter().chain(&r.later) {
+            assert!(p.moves.is_empty(), "the same layout, nothing mapped: {:?}", p.moves);
+        }
     }
 }
