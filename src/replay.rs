@@ -8,7 +8,6 @@
 //! would). The figure of merit is peak reserved ÷ peak live, with live the sum of `size`
 //! over allocated, not yet freed ids.
 
-use std::cell::RefCell;
 use std::collections::HashMap;
 use std::io::BufRead;
 use std::sync::Arc;
@@ -246,14 +245,8 @@ fn run(trace: &Trace, device: &Arc<dyn Device>, options: &ReplayOptions, sim: Op
     let plan = trace.plan();
     let streams = plan.streams.iter().map(|_| device.create_stream()).collect::<Result<Vec<Stream>>>()?;
     let uncached = (options.config.largest_cached_class + 1).max(options.config.large_block_threshold);
-    let player = Player {
-        pool: &pool,
-        device: &**device,
-        streams: &streams,
-        options,
-        sim,
-        moves: RefCell::new(Tracker::new(uncached)),
-    };
+    let mut player =
+        Player { pool: &pool, device: &**device, streams: &streams, options, sim, moves: Tracker::new(uncached) };
     let (cold, peak_live, left) = player.pass(&plan)?;
     drop(left);
     let (mut warm, mut later) = (None, Vec::new());
@@ -299,7 +292,7 @@ struct Player<'a> {
     options: &'a ReplayOptions,
     sim: Option<&'a SimDevice>,
     /// The addresses of the pass before, and this pass's moves, with `options.moves`.
-    moves: RefCell<Tracker>,
+    moves: Tracker,
 }
 
 impl Player<'_> {
@@ -312,7 +305,7 @@ impl Player<'_> {
 
     /// Play the trace once: the pass, its peak live bytes, and the blocks still live at its
     /// end (the caller frees them).
-    fn pass(&self, plan: &Plan) -> Result<(Pass, u64, Live)> {
+    fn pass(&mut self, plan: &Plan) -> Result<(Pass, u64, Live)> {
         let (busy, every) = (self.options.busy_us, self.options.sync_every);
         let (mapped0, unmapped0) = map_totals(self.pool, self.sim);
         let mut live: Live = std::iter::repeat_with(|| None).take(plan.slots).collect();
@@ -336,13 +329,7 @@ impl Player<'_> {
                     if let Some((m0, u0)) = counts {
                         let t = Instant::now();
                         let (m1, u1) = map_totals(self.pool, self.sim);
-                        self.moves.borrow_mut().alloc(
-                            n,
-                            size,
-                            b.device_ptr(),
-                            m1.saturating_sub(m0),
-                            u1.saturating_sub(u0),
-                        );
+                        self.moves.alloc(n, size, b.device_ptr(), m1.saturating_sub(m0), u1.saturating_sub(u0));
                         outside += t.elapsed();
                     }
                     live_bytes += size as u64;
@@ -383,7 +370,7 @@ impl Player<'_> {
             mapped_bytes: mapped1.saturating_sub(mapped0),
             unmapped_bytes: unmapped1.saturating_sub(unmapped0),
             stats,
-            moves: self.moves.borrow_mut().end_pass(),
+            moves: self.moves.end_pass(),
         };
         Ok((pass, peak_live, live))
     }

@@ -242,9 +242,9 @@ impl PoolInner {
         // Set while the cheapest run is claimed (module `cheapest`): its lent pages whose
         // memory cannot come back are unmapped and mapped afresh, where their work is done.
         let remap_dead = std::cell::Cell::new(false);
-        // Whether the run being claimed may map pages (the lowest run with few dead pages is
-        // claimed so, on a rung that may not).
-        let may_map = std::cell::Cell::new(mode.mapping != Mapping::Forbidden);
+        // Whether the run being claimed may map pages: a run claimed with its dead pages
+        // remapped may, even on a rung that may not (the lowest run with few dead pages).
+        let may_map = || mode.mapping != Mapping::Forbidden || remap_dead.get();
         // How many pages of a first-fit run may need a driver call on a rung that may not
         // map (0: none), and the lowest run the walk passed that needs no more.
         let few_dead = self.few_dead_pages(size, chunk, mode);
@@ -351,7 +351,7 @@ impl PoolInner {
                     }
                     sources.push(source);
                 }
-                if !may_map.get() && !lent && !pages.is_mapped(p) {
+                if !may_map() && !lent && !pages.is_mapped(p) {
                     // Skip every unmapped page from here at once: the untouched rest of the
                     // range is one free run.
                     refuse!(pages.next_mapped(p).map_or(u64::MAX - 1, |m| m - 1), true);
@@ -384,7 +384,7 @@ impl PoolInner {
             Mapping::WithinPeak => self.max_reserved().min(self.pages.peak_mapped_bytes()),
             Mapping::Allowed => self.max_reserved(),
         };
-        let lend = mode.mapping == Mapping::Allowed && self.config.trade_pages_on_map && self.device.can_alias();
+        let lend = mode.mapping == Mapping::Allowed && self.lends_pages();
         let mut tries = 0;
         // Past the peak, a large block goes to the run that costs the fewest driver calls
         // (module `cheapest`); first fit after `CHEAPEST_TRIES` refused ones.
@@ -400,7 +400,6 @@ impl PoolInner {
         let (addr, held) = loop {
             let fixing = fix_dead_at.is_some();
             remap_dead.set(fixing);
-            may_map.set(fixing || mode.mapping != Mapping::Forbidden);
             let got = if let Some(at) = fix_dead_at.take() {
                 self.space.claim_large_at(at, size, &mut accept)
             } else if let Some((at, _)) = cheapest.take() {
@@ -458,10 +457,9 @@ impl PoolInner {
             }
             let block = addr / page * page..(addr + size).next_multiple_of(page);
             // The few dead pages are mapped as a placement past the peak maps: lent there.
-            let (limit, lend) =
-                if fixing { (self.max_reserved(), self.config.trade_pages_on_map) } else { (limit, lend) };
+            let (limit, lend) = if fixing { (self.max_reserved(), true) } else { (limit, lend) };
             let mut map = Pager { pool: self, st, limit, lend, remap: remap_dead.get(), block };
-            match self.pages.acquire(addr, size, may_map.get(), &mut map) {
+            match self.pages.acquire(addr, size, may_map(), &mut map) {
                 Ok(()) => {}
                 Err(why) => {
                     self.space.give_back(addr, size);
@@ -532,16 +530,19 @@ impl PoolInner {
     /// pages could not be mapped without growing: 0 there too, as when pages are not traded.
     fn few_dead_pages(&self, size: u64, chunk: bool, mode: Mode) -> u64 {
         let pages = size.div_ceil(self.pages.page_size());
-        let applies = !chunk
-            && mode.mapping == Mapping::Forbidden
-            && self.config.trade_pages_on_map
-            && self.device.can_alias()
-            && !self.near_limit();
+        let applies = !chunk && mode.mapping == Mapping::Forbidden && self.lends_pages() && !self.near_limit();
         if applies {
             pages / FEW_DEAD_SHARE
         } else {
             0
         }
+    }
+
+    /// Whether a placement past the peak borrows free pages' memory (module `arena::pages::lend`)
+    /// rather than map new memory: pages are traded, on a device that maps memory at two
+    /// addresses.
+    fn lends_pages(&self) -> bool {
+        self.config.trade_pages_on_map && self.device.can_alias()
     }
 
     /// A placement that may map failed: say why at debug level (the next rung is the host

@@ -45,7 +45,7 @@ pub(super) struct Tracker {
     /// This pass's, by rank.
     now: Vec<u64>,
     /// What this pass found.
-    pub(super) moves: Vec<Move>,
+    moves: Vec<Move>,
     /// The size from which no cache holds a block.
     large: u64,
 }
